@@ -1,0 +1,88 @@
+"""Leader election for Celery and Django on NATS JetStream Key-Value.
+
+One leader per *role*, fenced by a monotonic token, handed over in
+milliseconds on a clean stop and within the TTL after a crash.
+
+The core (this package's top level) imports neither Celery nor Django. The
+Celery integration lives in :mod:`celery_nats_leader.bootstep`,
+:mod:`celery_nats_leader.tasks` and :mod:`celery_nats_leader.beat`; its main
+names are importable from here too, lazily, so that importing the core never
+imports Celery.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.connection import ConnectOptions
+from celery_nats_leader.election import DemoteReason, Election, ElectionState
+from celery_nats_leader.elector import Elector, RoleHandle
+from celery_nats_leader.errors import (
+    BackendError,
+    BackendTimeoutError,
+    BucketConfigError,
+    BucketNotFoundError,
+    ConfigError,
+    ElectionError,
+    ElectionStoppedError,
+    JetStreamUnavailableError,
+    LeadershipLostError,
+    NatsUnavailableError,
+    NotConnectedError,
+    NotLeaderError,
+    PermissionDeniedError,
+)
+from celery_nats_leader.record import LeaderRecord
+from celery_nats_leader.status import RoleStatus, read_status
+from celery_nats_leader.token import FencingToken
+
+__version__ = "0.1.0"
+
+#: Celery-side names, imported on first use (they import Celery).
+_LAZY = {
+    "install": "celery_nats_leader.bootstep",
+    "NatsLeaderBootstep": "celery_nats_leader.bootstep",
+    "leader_only": "celery_nats_leader.tasks",
+    "LeaderTask": "celery_nats_leader.tasks",
+    "leader_promoted": "celery_nats_leader.signals",
+    "leader_demoted": "celery_nats_leader.signals",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'celery_nats_leader' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "BackendError",
+    "BackendTimeoutError",
+    "BucketConfigError",
+    "BucketNotFoundError",
+    "ConfigError",
+    "ConnectOptions",
+    "DemoteReason",
+    "Election",
+    "ElectionConfig",
+    "ElectionError",
+    "ElectionState",
+    "ElectionStoppedError",
+    "Elector",
+    "FencingToken",
+    "JetStreamUnavailableError",
+    "LeaderRecord",
+    "LeadershipLostError",
+    "NatsUnavailableError",
+    "NotConnectedError",
+    "NotLeaderError",
+    "PermissionDeniedError",
+    "RoleHandle",
+    "RoleStatus",
+    "__version__",
+    "read_status",
+]

@@ -1,0 +1,74 @@
+"""Exponential backoff with jitter, and a circuit breaker, for transient errors."""
+
+from __future__ import annotations
+
+import random
+
+from celery_nats_leader.constants import (
+    BACKOFF_INITIAL_SECONDS,
+    BACKOFF_JITTER,
+    BACKOFF_MAX_SECONDS,
+    BACKOFF_MULTIPLIER,
+    CIRCUIT_BREAKER_THRESHOLD,
+)
+
+
+class Backoff:
+    """Delays for consecutive failures: ``min(max, initial * multiplier**n) ± jitter``.
+
+    After ``breaker_threshold`` consecutive failures the circuit opens and
+    every further delay is ``breaker_cooldown`` until a success resets it, so
+    a broken server is not hammered by a herd of candidates.
+
+    Args:
+        initial: First delay, seconds.
+        maximum: Largest exponential delay, seconds.
+        multiplier: Growth factor per failure.
+        jitter: Relative jitter, e.g. ``0.1`` for ±10 %.
+        breaker_threshold: Consecutive failures that open the circuit.
+        breaker_cooldown: Delay while the circuit is open, seconds.
+        rng: Random source (injectable for tests).
+
+    """
+
+    def __init__(
+        self,
+        *,
+        initial: float = BACKOFF_INITIAL_SECONDS,
+        maximum: float = BACKOFF_MAX_SECONDS,
+        multiplier: float = BACKOFF_MULTIPLIER,
+        jitter: float = BACKOFF_JITTER,
+        breaker_threshold: int = CIRCUIT_BREAKER_THRESHOLD,
+        breaker_cooldown: float = BACKOFF_MAX_SECONDS,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._initial = initial
+        self._maximum = maximum
+        self._multiplier = multiplier
+        self._jitter = jitter
+        self._threshold = breaker_threshold
+        self._cooldown = breaker_cooldown
+        self._rng = rng or random.Random()
+        self.failures = 0
+
+    @property
+    def circuit_open(self) -> bool:
+        """Whether enough consecutive failures happened to open the circuit."""
+        return self.failures >= self._threshold
+
+    def failure(self) -> float:
+        """Record a failure.
+
+        Returns:
+            How long to wait before the next attempt, seconds.
+
+        """
+        self.failures += 1
+        if self.circuit_open:
+            return self._cooldown
+        base = min(self._maximum, self._initial * self._multiplier ** (self.failures - 1))
+        return max(0.0, base + base * self._jitter * self._rng.uniform(-1.0, 1.0))
+
+    def success(self) -> None:
+        """Record a success: the next failure starts from the initial delay."""
+        self.failures = 0

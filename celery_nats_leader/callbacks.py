@@ -1,0 +1,93 @@
+"""Running user callbacks without letting them stall the election.
+
+Callbacks run one at a time, in the order their events happened, on a task
+of their own: never under a lock and never on the election's critical path.
+Synchronous callbacks run on a dedicated worker thread so that a blocking
+one cannot freeze the event loop (and with it the renewals). A callback
+that raises is logged and the next one runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+Callback = Callable[..., Any]
+
+
+class CallbackRunner:
+    """Runs callbacks sequentially on an event loop.
+
+    Args:
+        name: Used for the worker thread's name and in log messages.
+
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: asyncio.Queue[tuple[list[Callback], tuple[Any, ...], asyncio.Future[None]]]
+        self._task: asyncio.Task[None] | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def start(self) -> None:
+        """Start the runner on the running loop."""
+        self._queue = asyncio.Queue()
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"callbacks-{self._name}"
+        )
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"cb-{self._name}")
+
+    def submit(self, callbacks: list[Callback], *args: Any) -> asyncio.Future[None]:
+        """Queue ``callbacks`` to be called with ``args``.
+
+        Returns:
+            A future done once all of them returned (or raised).
+
+        """
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._task is None or not callbacks:
+            done.set_result(None)
+            return done
+        self._queue.put_nowait((list(callbacks), args, done))
+        return done
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            callbacks, args, done = await self._queue.get()
+            for callback in callbacks:
+                try:
+                    if inspect.iscoroutinefunction(callback):
+                        await callback(*args)
+                    else:
+                        result = await loop.run_in_executor(self._executor, callback, *args)
+                        if inspect.isawaitable(result):
+                            await result
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    logger.exception("%s: callback %r raised", self._name, callback)
+            if not done.done():
+                done.set_result(None)
+
+    async def stop(self) -> None:
+        """Let queued callbacks finish, then stop."""
+        if self._task is None:
+            return
+        drained = self.submit([lambda: None])
+        with contextlib.suppress(asyncio.CancelledError):
+            await drained
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None

@@ -1,0 +1,92 @@
+"""Every default, limit and naming convention of the package, in one place.
+
+Other modules import from here instead of repeating literals, so that a
+change of default (or of a subject layout that other processes depend on)
+happens in exactly one spot.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: Name of the KV bucket that holds one key per role.
+DEFAULT_BUCKET = "leaders"
+
+#: Role elected when none is given.
+DEFAULT_ROLE = "default"
+
+#: Election TTL in seconds: the bucket's ``max_age`` and the longest a crashed
+#: leader can keep a role.
+DEFAULT_TTL_SECONDS = 10.0
+
+#: The heartbeat is ``ttl / HEARTBEATS_PER_TTL`` unless configured.
+HEARTBEATS_PER_TTL = 4
+
+#: ``ttl`` must be at least this many heartbeats, so that one or two lost
+#: renewals do not cost the role.
+MIN_HEARTBEATS_PER_TTL = 3
+
+#: Shortest TTL accepted, in seconds. Below this, scheduling noise of a busy
+#: Python process is a large part of the lease.
+MIN_TTL_SECONDS = 0.5
+
+#: Longest TTL accepted, in seconds (a day): longer terms make a crash
+#: unrecoverable for too long to be a sane choice.
+MAX_TTL_SECONDS = 86_400.0
+
+#: Lease safety margin as a fraction of the TTL when not configured. The
+#: leader steps down at ``last_confirmed_send + ttl - margin``; the margin
+#: absorbs event-loop lag and server expiry granularity.
+LEASE_MARGIN_FRACTION = 0.1
+
+#: Largest random delay, in seconds, before a follower campaigns after the
+#: key was released or expired. Spreads a herd of candidates over a few
+#: milliseconds without making handoffs slow.
+DEFAULT_CAMPAIGN_JITTER_SECONDS = 0.005
+
+#: Extra campaign delay, in seconds, per priority point below the highest
+#: priority a candidate knows of. Preferred candidates campaign first.
+DEFAULT_PRIORITY_STEP_SECONDS = 0.01
+
+#: Longest priority-based campaign delay, in seconds, whatever the gap.
+MAX_PRIORITY_LAG_SECONDS = 0.5
+
+#: How often a follower retries a campaign while the server has not yet
+#: removed an expired key (its expiry timer has a few milliseconds of slack).
+EXPIRY_RETRY_SECONDS = 0.01
+
+#: Consecutive health-check failures that make a leader resign.
+DEFAULT_HEALTH_CHECK_FAILURES = 3
+
+#: Exponential backoff for transient errors.
+BACKOFF_INITIAL_SECONDS = 0.05
+BACKOFF_MAX_SECONDS = 5.0
+BACKOFF_MULTIPLIER = 2.0
+BACKOFF_JITTER = 0.1
+
+#: Consecutive transient failures that open the circuit breaker, and how long
+#: an open circuit waits (as a multiple of the TTL, capped) before trying again.
+CIRCUIT_BREAKER_THRESHOLD = 10
+CIRCUIT_BREAKER_COOLDOWN_TTLS = 1.0
+CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS = 30.0
+
+#: Subject prefix for the request/reply side channel (roster and resign
+#: requests). Layout: ``{prefix}.{bucket}.{role}.{verb}``.
+CONTROL_SUBJECT_PREFIX = "_NATS_LEADER"
+ROSTER_VERB = "roster"
+RESIGN_VERB = "resign"
+
+#: How long a roster request collects answers from live candidates, seconds.
+DEFAULT_ROSTER_WINDOW_SECONDS = 0.25
+
+#: NATS KV key names: what nats-py and the server accept.
+KEY_PATTERN = re.compile(r"^[-/_=.a-zA-Z0-9]+$")
+
+#: NATS KV bucket names.
+BUCKET_PATTERN = re.compile(r"^[a-zA-Z0-9_-]+$")
+
+#: Default NATS server URL.
+DEFAULT_SERVERS = ("nats://127.0.0.1:4222",)
+
+#: Version of the JSON record layout, written into every record.
+RECORD_VERSION = 1

@@ -1,0 +1,382 @@
+"""The synchronous facade: many roles, one loop thread, one NATS connection.
+
+Celery workers, celery beat and Django management commands use this; asyncio
+programs can use :class:`~celery_nats_leader.election.Election` directly.
+
+Example::
+
+    with Elector("nats://127.0.0.1:4222") as elector:
+        beat = elector.add_role(ElectionConfig(role="beat", ttl=5))
+        if beat.is_leader:
+            ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from nats.aio.client import Client
+
+from celery_nats_leader.backend.base import Backend
+from celery_nats_leader.backoff import Backoff
+from celery_nats_leader.clock import Clock
+from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.connection import ConnectionListener, ConnectOptions, connect
+from celery_nats_leader.election import (
+    DemoteCallback,
+    Election,
+    ElectionState,
+    ErrorCallback,
+    LeaderChangeCallback,
+    PromoteCallback,
+)
+from celery_nats_leader.errors import ConfigError, ElectionError, NatsUnavailableError
+from celery_nats_leader.loop_thread import EventLoopThread
+from celery_nats_leader.observer import ElectionObserver
+from celery_nats_leader.record import LeaderRecord
+from celery_nats_leader.status import RoleStatus, read_status
+from celery_nats_leader.token import FencingToken
+
+logger = logging.getLogger(__name__)
+
+#: Builds a backend on the elector's loop (tests pass the in-memory one).
+BackendFactory = Callable[[], "Backend"]
+
+
+class RoleHandle:
+    """One role hosted by an :class:`Elector`; every method is thread-safe."""
+
+    def __init__(self, elector: Elector, election: Election) -> None:
+        self._elector = elector
+        self.election = election
+
+    @property
+    def role(self) -> str:
+        """The role's name."""
+        return self.election.role
+
+    @property
+    def config(self) -> ElectionConfig:
+        """The role's configuration."""
+        return self.election.config
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process leads the role now (checked against the lease clock)."""
+        return self.election.is_leader
+
+    @property
+    def state(self) -> ElectionState:
+        """The election's state."""
+        return self.election.state
+
+    @property
+    def token(self) -> FencingToken | None:
+        """The current fencing token while leading, else ``None``."""
+        return self.election.token
+
+    @property
+    def leader_id(self) -> str | None:
+        """The id of the last leader seen."""
+        return self.election.leader_id
+
+    @property
+    def leader(self) -> LeaderRecord | None:
+        """The last leader record seen."""
+        return self.election.leader
+
+    @property
+    def error(self) -> ElectionError | None:
+        """The permanent error that stopped this role's election, if any."""
+        return self.election.error
+
+    def validate_token(self, timeout: float | None = None) -> bool:
+        """Confirm the token against the store (one KV read); see :meth:`Election.validate_token`.
+
+        Args:
+            timeout: Seconds to wait; default twice the request timeout.
+
+        Returns:
+            ``True`` only if this process still holds its term. ``False`` on
+            any doubt, including a timeout.
+
+        """
+        if not self.election.is_leader or not self._elector.running:
+            return False
+        limit = timeout if timeout is not None else 2 * self.config.request_timeout
+        try:
+            return self._elector.loop.run(self.election.validate_token(), limit)
+        except (TimeoutError, RuntimeError):
+            return False
+
+    def resign(self, timeout: float | None = None) -> None:
+        """Step down if leading (demote callbacks, then the key is released)."""
+        if not self._elector.running:
+            return
+        self._elector.loop.run(self.election.resign(), timeout or self.config.ttl)
+
+    def wait_for_leadership(self, timeout: float | None = None) -> bool:
+        """Block until this process leads the role.
+
+        Returns:
+            ``True`` if leading, ``False`` if ``timeout`` passed first.
+
+        """
+        if self.election.is_leader:
+            return True
+        future = self._elector.loop.submit(self.election.wait_for_leadership(timeout))
+        return future.result()
+
+    def on_promote(self, callback: PromoteCallback) -> PromoteCallback:
+        """Register ``callback(token)``; runs on a worker thread of the elector."""
+        return self.election.on_promote(callback)
+
+    def on_demote(self, callback: DemoteCallback) -> DemoteCallback:
+        """Register ``callback(reason)``; runs on a worker thread of the elector."""
+        return self.election.on_demote(callback)
+
+    def on_leader_change(self, callback: LeaderChangeCallback) -> LeaderChangeCallback:
+        """Register ``callback(record_or_None)`` for changes of the observed leader."""
+        return self.election.on_leader_change(callback)
+
+    def on_error(self, callback: ErrorCallback) -> ErrorCallback:
+        """Register ``callback(error)`` for a permanent error stopping the role."""
+        return self.election.on_error(callback)
+
+    def describe(self) -> dict[str, Any]:
+        """This candidate's view of the role (see :meth:`Election.describe`)."""
+        return self.election.describe()
+
+
+class Elector(ConnectionListener):
+    """Hosts many roles on one background event loop and one NATS connection.
+
+    Args:
+        servers: NATS URL(s): a string (comma-separated) or a sequence.
+        connect_options: Extra :func:`nats.connect` options (TLS, credentials,
+            token, nkeys, ...); see :class:`~celery_nats_leader.connection.ConnectOptions`.
+        name: Connection name (visible in the server's monitoring).
+        observer: Receives every role's measurements (metrics).
+        clock: Monotonic clock (tests).
+        backend_factory: Builds the backend instead of connecting (tests).
+
+    """
+
+    def __init__(
+        self,
+        servers: str | Sequence[str] | None = None,
+        *,
+        connect_options: Mapping[str, Any] | None = None,
+        name: str = "celery-nats-leader",
+        observer: ElectionObserver | None = None,
+        clock: Clock | None = None,
+        backend_factory: BackendFactory | None = None,
+    ) -> None:
+        self.connect_options = ConnectOptions.build(servers, connect_options)
+        self._name = name
+        self._observer = observer
+        self._clock = clock
+        self._backend_factory = backend_factory
+        self._roles: dict[str, RoleHandle] = {}
+        self._lock = threading.Lock()
+        self.loop = EventLoopThread(name=f"{name}-loop")
+        self._connection: Client | None = None
+        self._backend: Backend | None = None
+        self._connected = threading.Event()
+        self._connector: asyncio.Task[None] | None = None
+        self._started = False
+
+    # ------------------------------------------------------------- roles
+
+    def add_role(self, config: ElectionConfig) -> RoleHandle:
+        """Join the election for ``config.role``.
+
+        May be called before or after :meth:`start`; after, the role starts
+        campaigning at once.
+
+        Returns:
+            The role's handle.
+
+        Raises:
+            ConfigError: If the role was added already.
+
+        """
+        with self._lock:
+            key = f"{config.bucket}/{config.role}"
+            if key in self._roles:
+                raise ConfigError(f"role {config.role!r} in bucket {config.bucket!r} added twice")
+            election = Election(config, clock=self._clock, observer=self._observer)
+            handle = RoleHandle(self, election)
+            self._roles[key] = handle
+        if self._started and self._connected.is_set():
+            self.loop.run(self._start_election(handle), timeout=config.ttl + 10)
+        return handle
+
+    def role(self, name: str, bucket: str | None = None) -> RoleHandle:
+        """The handle of an added role.
+
+        Raises:
+            KeyError: If no such role was added.
+
+        """
+        for handle in self._roles.values():
+            if handle.role == name and (bucket is None or handle.config.bucket == bucket):
+                return handle
+        raise KeyError(f"role {name!r} was not added to this elector")
+
+    @property
+    def roles(self) -> list[RoleHandle]:
+        """Every added role."""
+        return list(self._roles.values())
+
+    @property
+    def running(self) -> bool:
+        """Whether the elector's loop is running."""
+        return self._started and self.loop.is_running
+
+    @property
+    def connected(self) -> bool:
+        """Whether the elector has connected (and started its roles)."""
+        return self._connected.is_set()
+
+    # ---------------------------------------------------------- lifecycle
+
+    def start(self, *, timeout: float = 10.0, require_connection: bool = True) -> None:
+        """Start the loop thread, connect, and start every role.
+
+        Args:
+            timeout: Seconds to wait for the connection and the first
+                decision of every role.
+            require_connection: With ``True``, raise when NATS cannot be
+                reached; with ``False``, keep trying in the background (and
+                log every failure) while the caller goes on.
+
+        Raises:
+            NatsUnavailableError: No connection within ``timeout`` (only with
+                ``require_connection``).
+            ElectionError: A permanent problem (missing bucket, no JetStream, ...).
+
+        """
+        if self._started:
+            return
+        self.loop.start()
+        self._started = True
+        if require_connection:
+            try:
+                self.loop.run(self._connect_and_start_roles(timeout), timeout + 30)
+            except BaseException:
+                self.stop()
+                raise
+            return
+        self._connector = self.loop.run(self._spawn_connector(timeout), timeout)
+
+    async def _spawn_connector(self, timeout: float) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(self._connect_forever(timeout))
+
+    async def _connect_forever(self, timeout: float) -> None:
+        backoff = Backoff(maximum=10.0, breaker_threshold=1_000_000)
+        while True:
+            try:
+                await self._connect_and_start_roles(timeout)
+                return
+            except NatsUnavailableError as exc:
+                delay = backoff.failure()
+                logger.warning(
+                    "NATS unreachable (%s); leader election is not running yet, retrying in %.1fs",
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+            except ElectionError:
+                logger.exception("leader election could not start")
+                return
+
+    async def _connect_and_start_roles(self, timeout: float) -> None:
+        if self._backend is None:
+            if self._backend_factory is not None:
+                self._backend = self._backend_factory()
+            else:
+                from celery_nats_leader.backend.jetstream import JetStreamBackend
+
+                self._connection = await connect(
+                    self.connect_options, listeners=[self], timeout=timeout, name=self._name
+                )
+                self._backend = JetStreamBackend(self._connection)
+        self._connected.set()
+        await asyncio.gather(*(self._start_election(h) for h in list(self._roles.values())))
+
+    async def _start_election(self, handle: RoleHandle) -> None:
+        election = handle.election
+        if election.state is not ElectionState.INIT:
+            return
+        election._backend = self._backend  # shares the elector's connection
+        await election.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every role (leaders release their keys first), then disconnect. Idempotent."""
+        if not self._started:
+            return
+        self._started = False
+        if self.loop.is_running:
+            try:
+                self.loop.run(self._shutdown(), timeout)
+            except (TimeoutError, RuntimeError):
+                logger.warning("leader election did not stop within %.1fs", timeout)
+        self.loop.stop()
+        self._connected.clear()
+
+    async def _shutdown(self) -> None:
+        if self._connector is not None:
+            self._connector.cancel()
+        await asyncio.gather(
+            *(h.election.stop() for h in list(self._roles.values())), return_exceptions=True
+        )
+        if self._connection is not None:
+            try:
+                await self._connection.close()
+            finally:
+                self._connection = None
+                self._backend = None
+
+    def __enter__(self) -> Elector:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # --------------------------------------------------------- listeners
+
+    def disconnected(self) -> None:
+        """Connection lost: wake every role so it applies its disconnect grace."""
+        for handle in list(self._roles.values()):
+            handle.election._poke()
+
+    def reconnected(self) -> None:
+        """Connection back: wake every role so it renews or campaigns now."""
+        for handle in list(self._roles.values()):
+            handle.election._poke()
+
+    # ------------------------------------------------------------- status
+
+    def status(self, bucket: str | None = None, *, timeout: float = 5.0) -> list[RoleStatus]:
+        """Every role in ``bucket`` with its leader, as the status commands print it.
+
+        Args:
+            bucket: The bucket; default the first added role's bucket.
+            timeout: Seconds to wait.
+
+        Returns:
+            One :class:`~celery_nats_leader.status.RoleStatus` per role.
+
+        """
+        if self._backend is None:
+            raise NatsUnavailableError("not connected to NATS yet")
+        if bucket is None:
+            bucket = next(iter(self._roles.values())).config.bucket if self._roles else "leaders"
+        backend = self._backend
+        return self.loop.run(read_status(backend, bucket, timeout=timeout), timeout + 5)

@@ -1,0 +1,75 @@
+"""The exceptions of the package, under one root: :class:`ElectionError`.
+
+Errors coming from nats-py are translated into these in exactly one module,
+:mod:`celery_nats_leader.backend.jetstream`, always with ``raise ... from``
+so the original stays visible.
+"""
+
+from __future__ import annotations
+
+
+class ElectionError(Exception):
+    """Raised for every failure of this package; the root of the hierarchy."""
+
+
+class ConfigError(ElectionError, ValueError):
+    """Raised when a configuration value is invalid; the message names the field."""
+
+
+class BucketConfigError(ConfigError):
+    """Raised when the KV bucket exists but its settings break the election."""
+
+
+class BucketNotFoundError(ElectionError):
+    """Raised when the KV bucket does not exist and may not be created."""
+
+
+class JetStreamUnavailableError(ElectionError):
+    """Raised when the NATS server does not have JetStream enabled."""
+
+
+class PermissionDeniedError(ElectionError):
+    """Raised when the NATS account may not use the bucket or its subjects."""
+
+
+class NatsUnavailableError(ElectionError):
+    """Raised when no NATS server could be reached in time."""
+
+
+class NotLeaderError(ElectionError):
+    """Raised when leader-only work is attempted by a process that does not lead."""
+
+
+class LeadershipLostError(NotLeaderError):
+    """Raised when leadership ended while leader-only work was in progress."""
+
+
+class ElectionStoppedError(ElectionError):
+    """Raised when an operation needs a running election that was stopped."""
+
+
+class BackendError(ElectionError):
+    """Raised when a store operation failed in a way that may succeed if retried."""
+
+
+class BackendTimeoutError(BackendError):
+    """Raised when a store operation timed out: it may or may not have been applied."""
+
+
+class NotConnectedError(BackendError):
+    """Raised when a write was refused because the connection is down.
+
+    The write was never handed to the client library, so it cannot land later.
+    """
+
+
+class KeyExistsError(ElectionError):
+    """Raised when a create finds the key already held: someone else leads."""
+
+
+class RevisionMismatchError(ElectionError):
+    """Raised when a conditional write finds a newer revision than expected."""
+
+
+class RecordFormatError(ElectionError):
+    """Raised when a key holds a value that is not a leader record of this package."""
