@@ -1,0 +1,194 @@
+"""Process-wide settings shared by the Celery and Django integrations.
+
+One :class:`LeaderSettings` describes a process's connection and the roles it
+campaigns for. It is built from Celery's configuration (lower-case
+``nats_leader_*`` keys, so ``CELERY_NATS_LEADER_*`` under Django's CELERY
+namespace) or from a plain mapping (Django's ``NATS_LEADER`` dict), validated
+once, and turned into one :class:`~celery_nats_leader.config.ElectionConfig`
+per role. This module imports neither Celery nor Django.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery_nats_leader.config import ElectionConfig, Strategy, default_instance_id, validate_key
+from celery_nats_leader.connection import ConnectOptions
+from celery_nats_leader.constants import DEFAULT_BUCKET, DEFAULT_SERVERS, DEFAULT_TTL_SECONDS
+from celery_nats_leader.errors import ConfigError
+
+#: Prefix of the settings in Celery's configuration.
+CELERY_PREFIX = "nats_leader_"
+
+
+@dataclass(frozen=True)
+class LeaderSettings:
+    """A process's election settings.
+
+    Every field maps to the Celery setting ``nats_leader_<field>`` and to the
+    key ``<FIELD>`` (upper-case) of Django's ``NATS_LEADER`` dict.
+    """
+
+    servers: tuple[str, ...] = DEFAULT_SERVERS
+    """NATS URLs (a comma-separated string is accepted)."""
+
+    connect_options: Mapping[str, Any] = field(default_factory=dict)
+    """Extra connect options: TLS, user_credentials, token, nkeys_seed, ..."""
+
+    bucket: str = DEFAULT_BUCKET
+    """KV bucket of the elections."""
+
+    roles: tuple[str, ...] = ("default",)
+    """Roles this process campaigns for."""
+
+    ttl: float = DEFAULT_TTL_SECONDS
+    """Election TTL in seconds (the bucket's max_age)."""
+
+    heartbeat_interval: float = 0.0
+    """Seconds between renewals; 0 = ttl / 4."""
+
+    request_timeout: float = 0.0
+    """Seconds per store operation; 0 = derived from the heartbeat."""
+
+    disconnect_grace: float = 0.0
+    """Seconds a disconnected leader keeps leading; 0 = 2 heartbeats."""
+
+    validation_interval: float = 0.0
+    """Seconds between background token validations while leading; 0 = off."""
+
+    priority: int = 0
+    """Higher is preferred."""
+
+    allow_takeover: bool = False
+    """Ask a lower-priority leader to hand over."""
+
+    instance_id: str = ""
+    """This process's id; empty = host:pid:random."""
+
+    create_bucket: bool = False
+    """Create the bucket when missing."""
+
+    bucket_replicas: int = 1
+    """Replicas when creating the bucket."""
+
+    required: bool = False
+    """Refuse to start when NATS cannot be reached (else keep trying, loudly)."""
+
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (extra ``metrics``)."""
+
+    queue_prefix: str = "nats_leader."
+    """Leader queues are named ``<queue_prefix><role>``."""
+
+    beat_role: str = "beat"
+    """Role whose leader runs the beat scheduler."""
+
+    strategy: Strategy = "kv"
+    """Election strategy: ``kv`` (default) or ``allcall``."""
+
+    role_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Per-role overrides of any ElectionConfig field, e.g. ``{"beat": {"ttl": 5}}``."""
+
+    def __post_init__(self) -> None:
+        servers: Any = self.servers
+        object.__setattr__(self, "servers", ConnectOptions.build(servers).servers)
+        roles: Any = self.roles
+        if isinstance(roles, str):
+            roles = [r.strip() for r in roles.split(",") if r.strip()]
+        roles = tuple(roles)
+        for role in roles:
+            validate_key(role, "roles")
+        object.__setattr__(self, "roles", roles)
+        validate_key(self.beat_role, "beat_role")
+        if not self.instance_id:
+            object.__setattr__(self, "instance_id", default_instance_id())
+        if self.metrics_port is not None and not (0 <= int(self.metrics_port) <= 65535):
+            raise ConfigError(f"metrics_port={self.metrics_port!r} must be a TCP port (0-65535)")
+        unknown_roles = sorted(set(self.role_options) - set(self.roles) - {self.beat_role})
+        if unknown_roles:
+            raise ConfigError(
+                f"role_options names role(s) {', '.join(unknown_roles)} that are not in roles "
+                f"{list(self.roles)}; add them to roles or remove the options"
+            )
+        # Build every role's config now, so that bad values fail at start-up.
+        for role in {*self.roles, self.beat_role}:
+            self.election_config(role)
+
+    @property
+    def connection(self) -> ConnectOptions:
+        """Where and how to connect."""
+        return ConnectOptions(servers=self.servers, options=dict(self.connect_options))
+
+    def election_config(self, role: str) -> ElectionConfig:
+        """The :class:`ElectionConfig` of ``role`` (with its ``role_options``).
+
+        Raises:
+            ConfigError: If a value is invalid; the message names the setting.
+        """
+        base: dict[str, Any] = {
+            "role": role,
+            "bucket": self.bucket,
+            "instance_id": self.instance_id,
+            "ttl": self.ttl,
+            "heartbeat_interval": self.heartbeat_interval,
+            "request_timeout": self.request_timeout,
+            "disconnect_grace": self.disconnect_grace,
+            "validation_interval": self.validation_interval,
+            "priority": self.priority,
+            "allow_takeover": self.allow_takeover,
+            "create_bucket": self.create_bucket,
+            "bucket_replicas": self.bucket_replicas,
+            "strategy": self.strategy,
+        }
+        base.update(self.role_options.get(role, {}))
+        try:
+            return ElectionConfig.from_mapping(base)
+        except ConfigError as exc:
+            raise ConfigError(f"nats_leader settings for role {role!r}: {exc}") from exc
+
+    def queue_for(self, role: str) -> str:
+        """Name of the leader queue of ``role``."""
+        return f"{self.queue_prefix}{role}"
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> LeaderSettings:
+        """Build from a mapping of field names (any case), e.g. Django's ``NATS_LEADER``.
+
+        Raises:
+            ConfigError: On an unknown key or an invalid value.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = key.lower()
+            if name not in known:
+                raise ConfigError(
+                    f"unknown nats_leader setting {key!r}; known: {', '.join(sorted(known))}"
+                )
+            kwargs[name] = value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_celery(cls, conf: Any) -> LeaderSettings:
+        """Build from a Celery app's configuration (``app.conf``).
+
+        Reads ``nats_leader_<field>`` keys; under Django's CELERY namespace
+        these are written ``CELERY_NATS_LEADER_<FIELD>``.
+
+        Raises:
+            ConfigError: On an invalid value.
+        """
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            for key in (CELERY_PREFIX + f.name, (CELERY_PREFIX + f.name).upper()):
+                try:
+                    value = conf.get(key)
+                except Exception:
+                    value = None
+                if value is not None:
+                    values[f.name] = value
+                    break
+        return cls(**values)
