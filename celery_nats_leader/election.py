@@ -267,6 +267,21 @@ class Election:
             return 0.0
         return max(0.0, self._lease_deadline - self._clock.monotonic())
 
+    def bind(self, backend: Backend) -> None:
+        """Use ``backend`` (a connection shared with other roles) instead of connecting.
+
+        Raises:
+            ElectionStoppedError: If the election was started already.
+        """
+        if self._state is not ElectionState.INIT:
+            raise ElectionStoppedError("bind() must be called before start()")
+        self._backend = backend
+
+    def wake(self) -> None:
+        """Re-evaluate now; called when the connection goes down or comes back."""
+        if self._wake is not None:
+            self._wake.set()
+
     def on_promote(self, callback: PromoteCallback) -> PromoteCallback:
         """Register ``callback(token)``, called when this process becomes leader.
 
@@ -527,10 +542,6 @@ class Election:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def _poke(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
     async def _sleep_until(self, deadline: float) -> None:
         """Wait until ``deadline`` (monotonic) or until something wakes us."""
         assert self._wake is not None
@@ -650,7 +661,7 @@ class Election:
             self._demote(reason)
             return
         self._observe(entry)
-        self._poke()
+        self.wake()
 
     # ----------------------------------------------------------- main loop
 
@@ -916,7 +927,7 @@ class Election:
             self._health_task.cancel()
             self._health_task = None
         self._callbacks.submit(self._demote_callbacks, reason)
-        self._poke()
+        self.wake()
 
     async def _lead(self) -> None:
         cfg = self.config
@@ -1072,7 +1083,7 @@ class Election:
             self._health_task = None
         await self._callbacks.submit(self._demote_callbacks, reason)
         await self._delete_own_key(token, revision)
-        self._poke()
+        self.wake()
 
     async def _delete_own_key(self, token: FencingToken, revision: int) -> None:
         """Delete the key only at our revision: never a successor's record."""
@@ -1127,7 +1138,7 @@ class Election:
                 )
             if failures >= cfg.health_check_failures and self._token is token:
                 self._release_reason = DemoteReason.HEALTH_CHECK_FAILED
-                self._poke()
+                self.wake()
                 return
 
     # --------------------------------------------------------- side channel
@@ -1185,7 +1196,7 @@ class Election:
             logger.info(
                 "%s: asked to step down by %s", self.role, body.get("requester", "an operator")
             )
-            self._poke()
+            self.wake()
         if reply and self._backend is not None and leading:
             answer = {"id": self.instance_id, "accepted": accepted}
             await self._backend.publish(reply, json.dumps(answer).encode())

@@ -28,13 +28,13 @@ from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.connection import ConnectionListener, ConnectOptions, connect
 from celery_nats_leader.election import (
     DemoteCallback,
-    Election,
     ElectionState,
     ErrorCallback,
     LeaderChangeCallback,
     PromoteCallback,
 )
 from celery_nats_leader.errors import ConfigError, ElectionError, NatsUnavailableError
+from celery_nats_leader.interface import LeaderElection, new_election
 from celery_nats_leader.loop_thread import EventLoopThread
 from celery_nats_leader.observer import ElectionObserver
 from celery_nats_leader.record import LeaderRecord
@@ -50,7 +50,7 @@ BackendFactory = Callable[[], "Backend"]
 class RoleHandle:
     """One role hosted by an :class:`Elector`; every method is thread-safe."""
 
-    def __init__(self, elector: Elector, election: Election) -> None:
+    def __init__(self, elector: Elector, election: LeaderElection) -> None:
         self._elector = elector
         self.election = election
 
@@ -209,7 +209,7 @@ class Elector(ConnectionListener):
             key = f"{config.bucket}/{config.role}"
             if key in self._roles:
                 raise ConfigError(f"role {config.role!r} in bucket {config.bucket!r} added twice")
-            election = Election(config, clock=self._clock, observer=self._observer)
+            election = new_election(config, clock=self._clock, observer=self._observer)
             handle = RoleHandle(self, election)
             self._roles[key] = handle
         if self._started and self._connected.is_set():
@@ -313,7 +313,8 @@ class Elector(ConnectionListener):
         election = handle.election
         if election.state is not ElectionState.INIT:
             return
-        election._backend = self._backend  # shares the elector's connection
+        assert self._backend is not None
+        election.bind(self._backend)
         await election.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -354,12 +355,12 @@ class Elector(ConnectionListener):
     def disconnected(self) -> None:
         """Connection lost: wake every role so it applies its disconnect grace."""
         for handle in list(self._roles.values()):
-            handle.election._poke()
+            handle.election.wake()
 
     def reconnected(self) -> None:
         """Connection back: wake every role so it renews or campaigns now."""
         for handle in list(self._roles.values()):
-            handle.election._poke()
+            handle.election.wake()
 
     # ------------------------------------------------------------- status
 
