@@ -16,6 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from celery_nats_leader import constants as c
+from celery_nats_leader.allcall_protocol import (
+    DEFAULT_HEARTBEAT_SECONDS as ALLCALL_DEFAULT_HEARTBEAT_SECONDS,
+)
+from celery_nats_leader.allcall_protocol import (
+    DEFAULT_MAX_CLOCK_SKEW_SECONDS,
+    MAX_CLOCK_SKEW_FRACTION_OF_TTL,
+)
 from celery_nats_leader.errors import ConfigError
 
 #: A health check: returns ``True`` when this process is fit to lead.
@@ -106,10 +113,13 @@ class ElectionConfig:
     """This candidate's id, unique per process; default ``host:pid:random``."""
 
     ttl: float = c.DEFAULT_TTL_SECONDS
-    """Seconds a term lasts without renewal; must equal the bucket's ``max_age``."""
+    """Seconds a term lasts without renewal; must equal the bucket's ``max_age``.
+    With ``strategy="allcall"`` this is the seed's leaseTime (no bucket involved)."""
 
     heartbeat_interval: float = 0.0
-    """Seconds between renewals by the leader; ``0`` means ``ttl / 4``."""
+    """Seconds between renewals by the leader; ``0`` means ``ttl / 4``. With
+    ``strategy="allcall"``: seconds between allcalls; ``0`` means 1 s (the
+    seed's heartBeat), or ``ttl / 4`` when that is shorter."""
 
     request_timeout: float = 0.0
     """Seconds to wait for one store operation; ``0`` means ``min(2, heartbeat / 2)``."""
@@ -164,6 +174,13 @@ class ElectionConfig:
     strategy: Strategy = "kv"
     """Election strategy: ``"kv"`` (JetStream KV, default, CP) or ``"allcall"``."""
 
+    max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW_SECONDS
+    """``strategy="allcall"`` only (ignored by KV): the largest difference, in
+    seconds, between the wall clocks of any two candidate hosts. ALLCALL
+    compares lease expiry times across hosts; it is only safe while clocks
+    agree to within this bound (``0`` is right when all candidates share one
+    host). At most ``ttl / 2``."""
+
     def __post_init__(self) -> None:
         validate_key(self.role, "role")
         validate_bucket(self.bucket)
@@ -177,9 +194,11 @@ class ElectionConfig:
                 f"ttl={ttl} is out of range: it must be between {c.MIN_TTL_SECONDS} and "
                 f"{c.MAX_TTL_SECONDS:.0f} seconds"
             )
-        heartbeat = _seconds("heartbeat_interval", self.heartbeat_interval) or (
-            ttl / c.HEARTBEATS_PER_TTL
-        )
+        allcall = self.strategy == "allcall"
+        default_heartbeat = ttl / c.HEARTBEATS_PER_TTL
+        if allcall:
+            default_heartbeat = min(ALLCALL_DEFAULT_HEARTBEAT_SECONDS, default_heartbeat)
+        heartbeat = _seconds("heartbeat_interval", self.heartbeat_interval) or default_heartbeat
         if ttl < c.MIN_HEARTBEATS_PER_TTL * heartbeat - 1e-9:
             raise ConfigError(
                 f"heartbeat_interval={heartbeat} is too long for ttl={ttl}: ttl must be at least "
@@ -227,6 +246,14 @@ class ElectionConfig:
             raise ConfigError(f"bucket_replicas={self.bucket_replicas!r} must be between 1 and 5")
         if not isinstance(self.meta, Mapping):
             raise ConfigError("meta must be a mapping of JSON-serializable values")
+        skew = _seconds("max_clock_skew", self.max_clock_skew)
+        if allcall and skew > ttl * MAX_CLOCK_SKEW_FRACTION_OF_TTL:
+            limit = ttl * MAX_CLOCK_SKEW_FRACTION_OF_TTL
+            raise ConfigError(
+                f"max_clock_skew={skew} is out of range: it must be between 0 and "
+                f"ttl * {MAX_CLOCK_SKEW_FRACTION_OF_TTL} = {limit:g} seconds; "
+                "synchronize the hosts' clocks (NTP) or raise ttl"
+            )
         resolved = {
             "ttl": ttl,
             "heartbeat_interval": heartbeat,
@@ -238,6 +265,7 @@ class ElectionConfig:
             "resync_interval": resync,
             "campaign_jitter": jitter,
             "priority_step": step,
+            "max_clock_skew": skew,
         }
         for name, value in resolved.items():
             object.__setattr__(self, name, value)

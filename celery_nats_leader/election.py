@@ -41,7 +41,7 @@ from celery_nats_leader.backoff import Backoff
 from celery_nats_leader.callbacks import CallbackRunner
 from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.connection import ConnectOptions, connect
+from celery_nats_leader.connection import ConnectionListener, ConnectOptions, connect
 from celery_nats_leader.errors import (
     BackendError,
     BackendTimeoutError,
@@ -113,6 +113,24 @@ PromoteCallback = Callable[[FencingToken], "None | Awaitable[None]"]
 DemoteCallback = Callable[[DemoteReason], "None | Awaitable[None]"]
 LeaderChangeCallback = Callable[["LeaderRecord | None"], "None | Awaitable[None]"]
 ErrorCallback = Callable[[ElectionError], "None | Awaitable[None]"]
+
+
+class _Waker(ConnectionListener):
+    """Wakes an election when its own connection goes down or comes back."""
+
+    def __init__(self, election: Election) -> None:
+        self._election = election
+
+    def disconnected(self) -> None:
+        self._election.wake()
+
+    def reconnected(self) -> None:
+        self._election.wake()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def control_subject(bucket: str, role: str, verb: str) -> str:
@@ -199,7 +217,9 @@ class Election:
         self._change_callbacks: list[LeaderChangeCallback] = []
         self._error_callbacks: list[ErrorCallback] = []
         self._callbacks = CallbackRunner(f"{config.role}")
+        self._deadline_timer: asyncio.TimerHandle | None = None
         self._wake: asyncio.Event | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._decided: asyncio.Event | None = None
         self._leading: asyncio.Event | None = None
         self._main_task: asyncio.Task[None] | None = None
@@ -281,6 +301,8 @@ class Election:
         """Re-evaluate now; called when the connection goes down or comes back."""
         if self._wake is not None:
             self._wake.set()
+        if self._waiter is not None:
+            _resolve(self._waiter)
 
     def on_promote(self, callback: PromoteCallback) -> PromoteCallback:
         """Register ``callback(token)``, called when this process becomes leader.
@@ -382,6 +404,7 @@ class Election:
         if was_leader and token is not None:
             self._token = None
             self._lease_deadline = 0.0
+            self._cancel_deadline_timer()
             self._set_state(ElectionState.STOPPED)
             await self._callbacks.submit(self._demote_callbacks, DemoteReason.STOPPED)
             if self.config.release_on_stop:
@@ -513,7 +536,9 @@ class Election:
         connection = self._connection
         if connection is None:
             connection = await connect(
-                self._connect_options or ConnectOptions(), name=f"election-{self.role}"
+                self._connect_options or ConnectOptions(),
+                name=f"election-{self.role}",
+                listeners=[_Waker(self)],
             )
             self._own_connection = connection
         self._backend = JetStreamBackend(connection)
@@ -537,20 +562,36 @@ class Election:
 
     async def _cancel_main(self) -> None:
         task, self._main_task = self._main_task, None
-        if task is not None and task is not asyncio.current_task():
+        if task is None or task is asyncio.current_task():
+            return
+        # Cancel until it is done: a library call inside the task may swallow
+        # one cancellation (asyncio.wait_for on Python 3.11 can).
+        while not task.done():
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.wait({task}, timeout=0.1)
 
     async def _sleep_until(self, deadline: float) -> None:
-        """Wait until ``deadline`` (monotonic) or until something wakes us."""
+        """Wait until ``deadline`` (monotonic) or until :meth:`wake` is called.
+
+        Awaits a plain future rather than ``asyncio.wait_for``: on Python 3.11
+        ``wait_for`` can swallow a cancellation that arrives just as its
+        timeout fires, which would let the loop outlive :meth:`stop`.
+        """
         assert self._wake is not None
         delay = deadline - self._clock.monotonic()
-        if delay <= 0:
+        if self._wake.is_set() or delay <= 0:
+            self._wake.clear()
             return
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), delay)
-        self._wake.clear()
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._waiter = waiter
+        timer = loop.call_later(delay, _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+            self._wake.clear()
 
     def _lease_valid(self) -> bool:
         return self._clock.monotonic() < self._lease_deadline
@@ -914,6 +955,39 @@ class Election:
             self._unconfirmed_send = None
         self._last_confirmed_send = max(self._last_confirmed_send, send)
         self._lease_deadline = send + self.config.lease_seconds
+        self._arm_deadline_timer()
+
+    def _arm_deadline_timer(self) -> None:
+        """Demote exactly at the lease deadline, whatever the lead loop is awaiting.
+
+        The loop may be inside a renewal or a read when the lease runs out;
+        the demotion (and the demote callbacks that stop leader work) must
+        not wait for that call to time out.
+        """
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, self._lease_deadline - self._clock.monotonic())
+        self._deadline_timer = loop.call_later(delay, self._on_deadline, self._token)
+
+    def _on_deadline(self, token: FencingToken | None) -> None:
+        self._deadline_timer = None
+        if self._state is not ElectionState.LEADER or self._token is not token:
+            return
+        if self._lease_valid():
+            self._arm_deadline_timer()  # renewed meanwhile (or an injected clock)
+            return
+        logger.warning(
+            "%s: no renewal confirmed for %.3fs; lease over, stepping down",
+            self.role,
+            self._clock.monotonic() - self._last_confirmed_send,
+        )
+        self._demote(DemoteReason.LEASE_EXPIRED)
+
+    def _cancel_deadline_timer(self) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
 
     def _demote(self, reason: DemoteReason) -> None:
         """Stop leading at once (state first, callbacks after)."""
@@ -921,6 +995,7 @@ class Election:
             return
         self._token = None
         self._lease_deadline = 0.0
+        self._cancel_deadline_timer()
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: demoted (%s)", self.role, reason.value)
         if self._health_task is not None:
@@ -940,12 +1015,7 @@ class Election:
         while self._state is ElectionState.LEADER:
             now = self._clock.monotonic()
             if now >= self._lease_deadline:
-                logger.warning(
-                    "%s: no renewal confirmed for %.3fs; lease over, stepping down",
-                    self.role,
-                    now - self._last_confirmed_send,
-                )
-                self._demote(DemoteReason.LEASE_EXPIRED)
+                self._on_deadline(self._token)
                 return
             if self._release_reason is not None:
                 await self._release(self._release_reason)
@@ -1039,8 +1109,11 @@ class Election:
         """A renewal failed or timed out: read the key to learn what happened."""
         assert self._bucket is not None
         cfg = self.config
+        timeout = max(
+            0.001, min(cfg.request_timeout, self._lease_deadline - self._clock.monotonic())
+        )
         try:
-            entry = await self._bucket.get(cfg.role, timeout=cfg.request_timeout)
+            entry = await self._bucket.get(cfg.role, timeout=timeout)
         except PERMANENT_ERRORS:
             raise
         except ElectionError:
@@ -1074,6 +1147,7 @@ class Election:
         self._release_reason = None
         self._token = None
         self._lease_deadline = 0.0
+        self._cancel_deadline_timer()
         # Sit out one TTL so that someone else takes the role.
         self._sit_out_until = self._clock.monotonic() + self.config.ttl
         self._set_state(ElectionState.FOLLOWER)

@@ -133,7 +133,7 @@ def new_election(config: ElectionConfig, **kwargs: Any) -> LeaderElection:
         An election, not started.
     """
     if config.strategy == "allcall":
-        from celery_nats_leader.allcall import AllcallElection  # type: ignore[import-not-found]
+        from celery_nats_leader.allcall import AllcallElection
 
         election: LeaderElection = AllcallElection(config, **kwargs)
         return election

@@ -80,6 +80,13 @@ class LeaderSettings:
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (extra ``metrics``)."""
 
+    metrics_address: str = "0.0.0.0"
+    """Address the metrics endpoint listens on (``127.0.0.1`` to keep it local)."""
+
+    start_timeout: float = 10.0
+    """Seconds a starting worker waits for NATS and its first campaign when
+    ``required`` is set (otherwise it goes on at once and keeps trying)."""
+
     queue_prefix: str = "nats_leader."
     """Leader queues are named ``<queue_prefix><role>``."""
 
@@ -107,6 +114,14 @@ class LeaderSettings:
             object.__setattr__(self, "instance_id", default_instance_id())
         if self.metrics_port is not None and not (0 <= int(self.metrics_port) <= 65535):
             raise ConfigError(f"metrics_port={self.metrics_port!r} must be a TCP port (0-65535)")
+        if (
+            isinstance(self.start_timeout, bool)
+            or not isinstance(self.start_timeout, (int, float))
+            or not self.start_timeout > 0
+        ):
+            raise ConfigError(
+                f"start_timeout={self.start_timeout!r} must be a positive number of seconds"
+            )
         unknown_roles = sorted(set(self.role_options) - set(self.roles) - {self.beat_role})
         if unknown_roles:
             raise ConfigError(
@@ -114,7 +129,7 @@ class LeaderSettings:
                 f"{list(self.roles)}; add them to roles or remove the options"
             )
         # Build every role's config now, so that bad values fail at start-up.
-        for role in {*self.roles, self.beat_role}:
+        for role in dict.fromkeys((*self.roles, self.beat_role)):
             self.election_config(role)
 
     @property
@@ -127,6 +142,7 @@ class LeaderSettings:
 
         Raises:
             ConfigError: If a value is invalid; the message names the setting.
+
         """
         base: dict[str, Any] = {
             "role": role,
@@ -159,6 +175,7 @@ class LeaderSettings:
 
         Raises:
             ConfigError: On an unknown key or an invalid value.
+
         """
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
@@ -180,6 +197,7 @@ class LeaderSettings:
 
         Raises:
             ConfigError: On an invalid value.
+
         """
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):

@@ -54,6 +54,8 @@ class MemoryServer:
         self.buckets: dict[str, _MemoryBucketState] = {}
         self.revision = 0
         self.subscribers: list[tuple[str, MessageHandler, MemoryBackend]] = []
+        # Deliveries in flight: the loop only keeps weak references to tasks.
+        self.deliveries: set[asyncio.Future[None]] = set()
 
     def expire(self, bucket: _MemoryBucketState) -> None:
         """Drop entries older than the bucket's ``max_age`` (silently, as 2.9 does)."""
@@ -77,9 +79,13 @@ class MemoryBucket:
         except KeyError:
             raise BucketNotFoundError(f"KV bucket {self.name!r} no longer exists") from None
 
-    async def _io(self) -> _MemoryBucketState:
+    async def _io(self, timeout: float = 5.0) -> _MemoryBucketState:
         self._backend.require_connected()
         if self._backend.latency:
+            if self._backend.latency > timeout:
+                # Like a request the server never answered in time: not applied.
+                await asyncio.sleep(timeout)
+                raise BackendTimeoutError(f"no answer within {timeout:g}s")
             await asyncio.sleep(self._backend.latency)
         hook = self._backend.fail_next
         if hook is not None:
@@ -101,7 +107,7 @@ class MemoryBucket:
 
     async def create(self, key: str, value: bytes, *, timeout: float) -> int:
         """Write only if the key holds no value."""
-        state = await self._io()
+        state = await self._io(timeout)
         current = state.keys.get(key)
         if current is not None and current.entry.operation is Operation.PUT:
             raise KeyExistsError(f"{key!r} is held at revision {current.entry.revision}")
@@ -109,7 +115,7 @@ class MemoryBucket:
 
     async def update(self, key: str, value: bytes, *, last: int, timeout: float) -> int:
         """Write only if the latest revision is ``last``."""
-        state = await self._io()
+        state = await self._io(timeout)
         current = state.keys.get(key)
         if current is None or current.entry.revision != last:
             raise RevisionMismatchError(f"{key!r} is not at revision {last}")
@@ -117,12 +123,12 @@ class MemoryBucket:
 
     async def put(self, key: str, value: bytes, *, timeout: float) -> int:
         """Write unconditionally."""
-        state = await self._io()
+        state = await self._io(timeout)
         return self._store(state, key, value, Operation.PUT)
 
     async def delete(self, key: str, *, last: int, timeout: float) -> None:
         """Delete only if the latest revision is ``last``."""
-        state = await self._io()
+        state = await self._io(timeout)
         current = state.keys.get(key)
         if current is None or current.entry.revision != last:
             raise RevisionMismatchError(f"{key!r} is not at revision {last}")
@@ -130,7 +136,7 @@ class MemoryBucket:
 
     async def get(self, key: str, *, timeout: float) -> KVEntry | None:
         """Return the latest value or ``None``."""
-        state = await self._io()
+        state = await self._io(timeout)
         current = state.keys.get(key)
         if current is None or current.entry.operation is not Operation.PUT:
             return None
@@ -153,7 +159,7 @@ class MemoryBucket:
 
     async def entries(self, *, timeout: float) -> list[KVEntry]:
         """Return every live value."""
-        state = await self._io()
+        state = await self._io(timeout)
         return [s.entry for s in state.keys.values() if s.entry.operation is Operation.PUT]
 
     async def ttl(self, *, timeout: float) -> float:
@@ -175,6 +181,10 @@ class MemoryBackend:
     Attributes:
         latency: Seconds every KV operation takes.
         fail_next: When set, the next KV operation raises what it returns.
+        partition: Messages only reach subscribers of backends with the same
+            label: set different labels to split the message bus in two (a
+            network partition between servers), equal ones to heal it. KV
+            operations are not affected.
 
     """
 
@@ -183,6 +193,7 @@ class MemoryBackend:
         self.connected = True
         self.latency = 0.0
         self.fail_next: Callable[[], Exception] | None = None
+        self.partition = ""
 
     @property
     def is_connected(self) -> bool:
@@ -221,8 +232,14 @@ class MemoryBackend:
 
     def _deliver(self, subject: str, data: bytes, reply: str | None) -> None:
         for pattern, handler, owner in list(self.server.subscribers):
-            if owner.connected and _subject_matches(pattern, subject):
-                asyncio.ensure_future(handler(data, reply))
+            if (
+                owner.connected
+                and owner.partition == self.partition
+                and _subject_matches(pattern, subject)
+            ):
+                delivery = asyncio.ensure_future(handler(data, reply))
+                self.server.deliveries.add(delivery)
+                delivery.add_done_callback(self.server.deliveries.discard)
 
     async def publish(self, subject: str, data: bytes, reply: str | None = None) -> None:
         """Publish (dropped while disconnected)."""

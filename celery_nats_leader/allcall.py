@@ -1,0 +1,1278 @@
+"""ALLCALL: leased, rank-ordered leader election over plain NATS (no JetStream).
+
+The second election strategy (``ElectionConfig(strategy="allcall")``), after
+Jason E. Aten's ALLCALL algorithm. It needs only core NATS publish/subscribe,
+works with any number of candidates (one and two included) and never waits
+for a quorum. It is **AP, not CP**: during a network partition each side can
+elect its own leader, and after the partition heals two leaders can coexist
+until they hear each other (at most one lease).
+
+.. warning:: **Clock assumption.** ALLCALL compares lease expiry times
+   computed on one host's *wall clock* with another host's wall clock. This
+   is the one place where this package compares wall clocks across hosts
+   (the KV strategy never does). It is safe only while the wall clocks of any
+   two candidate hosts differ by at most ``max_clock_skew`` (default 1 s):
+   run NTP/chrony everywhere. If clocks drift further apart, two processes
+   can lead at once. Decisions about this process's *own* lease still use
+   its monotonic clock.
+
+Phases (per role, per process):
+
+* **Init** (``ttl + max_clock_skew`` after joining, and again after every
+  reconnect): answer allcalls, adopt claims heard, issue no allcall and never
+  start a term.
+* **Ping**: every heartbeat, complete the current round, run the local
+  election on the candidates that answered in the last two rounds, then
+  broadcast an allcall carrying this process's view of the current claim.
+  Every recipient broadcasts a reply carrying its own view, so claims spread
+  to everyone within a heartbeat.
+* **Election**: a valid claim (``wall_now < expires + max_clock_skew``) is
+  honoured. When none is, the eligible candidate of lowest rank (highest
+  priority, then a 128-bit random tie-breaker) starts a term: it mints the
+  fencing token, sets ``expires = wall_now + ttl`` and broadcasts the claim.
+  Its term begins (``CANDIDATE`` → ``LEADER``) once the server echoes that
+  allcall back (or a peer answers it): proof that it went out.
+* **Renewal**: the leader re-broadcasts its claim with a new expiry every
+  heartbeat. Its local lease runs, on its monotonic clock, from the send time
+  of the last *echoed* renewal (``+ ttl - lease_margin``); peers honour the
+  claim until ``expires + max_clock_skew`` on their wall clocks. A leader
+  whose renewals stop coming back (a partition between it and its server)
+  therefore steps down before any peer on the other side can elect anyone.
+* **Conflicts**: claims are merged in the seed's order (later expiry first,
+  rank second, expiries closer than ``max_clock_skew`` counting as equal). A
+  leader that hears a better claim steps down at once.
+* **Release**: on stop and resign the leader runs its demote callbacks, then
+  broadcasts a release; peers drop the claim and elect at once.
+
+Fencing token: ``epoch = max(wall milliseconds, highest epoch heard + 1)``
+when a term begins, carried in every message. Within a connected cluster
+every new term's epoch exceeds every earlier term's; a leader that hears of
+an epoch above its own (a concurrent term, after a partition healed) ends
+its term and starts a new one above it. Across a partition epochs are not
+ordered by causality: see ``docs/allcall.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import random
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client
+
+from celery_nats_leader import constants as c
+from celery_nats_leader.allcall_protocol import (
+    ALLCALL_VERB,
+    REMEMBERED_RELEASES,
+    REPLY_VERB,
+    TIEBREAK_BITS,
+    Claim,
+    Kind,
+    Member,
+    Message,
+    MessageFormatError,
+    claim_better,
+    claim_valid,
+    decode_message,
+    encode_message,
+    new_epoch,
+)
+from celery_nats_leader.backend.base import Backend, Subscription
+from celery_nats_leader.backend.jetstream import JetStreamBackend
+from celery_nats_leader.callbacks import CallbackRunner
+from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
+from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.connection import ConnectionListener, ConnectOptions, connect
+from celery_nats_leader.election import (
+    DemoteCallback,
+    DemoteReason,
+    ElectionState,
+    ErrorCallback,
+    LeaderChangeCallback,
+    PromoteCallback,
+    control_subject,
+)
+from celery_nats_leader.errors import ConfigError, ElectionError, ElectionStoppedError
+from celery_nats_leader.observer import ElectionObserver, NullObserver
+from celery_nats_leader.record import LeaderRecord
+from celery_nats_leader.token import FencingToken
+
+logger = logging.getLogger(__name__)
+
+#: Returns the wall-clock time in Unix seconds (``time.time`` by default).
+WallClock = Callable[[], float]
+
+#: Renewals awaiting their echo, kept at most this many (older ones are moot).
+_MAX_PENDING = 8
+
+
+class Phase:
+    """The seed's phases, as shown by :meth:`AllcallElection.describe`."""
+
+    INIT = "init"
+    PING = "ping"
+
+
+@dataclass
+class _Pending:
+    """A sent allcall whose echo would confirm a lease.
+
+    ``base`` is the monotonic time at which the claim's ``expires`` was
+    computed (``expires = wall(base) + ttl``), so a confirmation extends the
+    local lease to ``base + ttl - lease_margin``.
+    """
+
+    base: float
+    sent: float
+    token: FencingToken
+
+
+@dataclass
+class _Probe:
+    """A token validation waiting for its echo and its peers' replies."""
+
+    expected: set[str]
+    echoed: bool = False
+    replied: set[str] = field(default_factory=set)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def update(self) -> None:
+        if self.echoed and self.expected <= self.replied:
+            self.done.set()
+
+
+class _Listener(ConnectionListener):
+    """Wakes the election when its own connection goes down or comes back."""
+
+    def __init__(self, election: AllcallElection) -> None:
+        self._election = election
+
+    def disconnected(self) -> None:
+        self._election.wake()
+
+    def reconnected(self) -> None:
+        self._election.wake()
+
+
+class AllcallElection:
+    """Leader election for one role with the ALLCALL algorithm (core NATS only).
+
+    Implements :class:`~celery_nats_leader.interface.LeaderElection` with the
+    same semantics as :class:`~celery_nats_leader.election.Election` where
+    they apply; see the module docstring for the algorithm and the clock
+    assumption, and ``docs/allcall.md`` for the guarantees.
+
+    Args:
+        config: The role's configuration; ``strategy`` must be ``"allcall"``.
+        connection: A connected nats-py client to use; when ``None`` the
+            election opens (and later closes) its own from ``connect_options``.
+            JetStream is never used.
+        connect_options: Where to connect when ``connection`` is ``None``.
+        backend: A ready backend (tests use the in-memory one); overrides
+            ``connection``. Only its core messaging is used (``subscribe``,
+            ``publish``, ``request``).
+        clock: Monotonic clock for this process's own deadlines.
+        observer: Receives measurements (metrics).
+        rng: Random source of the rank's tie-breaker.
+        wall_clock: Wall clock for lease expiry times shared with other hosts.
+            Default :func:`time.time`; when only ``clock`` is injected, a wall
+            clock that advances with ``clock`` (for deterministic tests).
+
+    Raises:
+        ConfigError: If ``config.strategy`` is not ``"allcall"``.
+
+    """
+
+    def __init__(
+        self,
+        config: ElectionConfig,
+        connection: Client | None = None,
+        *,
+        connect_options: ConnectOptions | None = None,
+        backend: Backend | None = None,
+        clock: Clock | None = None,
+        observer: ElectionObserver | None = None,
+        rng: random.Random | None = None,
+        wall_clock: WallClock | None = None,
+    ) -> None:
+        if config.strategy != "allcall":
+            raise ConfigError(
+                f"AllcallElection needs ElectionConfig(strategy='allcall'), got "
+                f"strategy={config.strategy!r}; use new_election() to pick the class"
+            )
+        self.config = config
+        self._connection = connection
+        self._connect_options = connect_options
+        self._backend: Backend | None = backend
+        self._own_connection: Client | None = None
+        self._clock = clock or SYSTEM_CLOCK
+        self._wall = wall_clock or _default_wall_clock(clock)
+        self._observer: ElectionObserver = observer or NullObserver()
+        self._rng = rng or random.Random()
+        self._tiebreak = self._rng.getrandbits(TIEBREAK_BITS)
+        self._state = ElectionState.INIT
+        self._error: ElectionError | None = None
+        self._subjects = {
+            verb: control_subject(config.bucket, config.role, verb)
+            for verb in (ALLCALL_VERB, REPLY_VERB, c.ROSTER_VERB, c.RESIGN_VERB)
+        }
+
+        # Phase and eligibility.
+        self._phase = Phase.INIT
+        self._init_until = 0.0
+        self._sit_out_until = 0.0
+        self._disconnected_since: float | None = None
+
+        # What this process believes about the role.
+        self._claim: Claim | None = None
+        self._announced: tuple[str, int] | None = None
+        self._max_epoch = 0
+        self._released: deque[tuple[str, int]] = deque(maxlen=REMEMBERED_RELEASES)
+
+        # Leader side.
+        self._token: FencingToken | None = None
+        self._lease_deadline = 0.0
+        self._term_started_at = 0.0
+        self._candidate_until = 0.0
+        self._last_confirmed_send = 0.0
+        self._pending: dict[int, _Pending] = {}
+        self._release_reason: DemoteReason | None = None
+        self._reterm = False
+        self._health_task: asyncio.Task[None] | None = None
+        self._echo_seen = False
+
+        # Rounds: who answered our allcalls in the current and the last round.
+        self._seq = 0
+        self._round_open = False
+        self._round: set[str] = set()
+        self._last_round: set[str] = set()
+        self._members: dict[str, Member] = {}
+        self._probes: dict[int, _Probe] = {}
+        self._evaluate_now = False
+        self._next_takeover_at = 0.0
+        self._warned_mixed = False
+
+        self._promote_callbacks: list[PromoteCallback] = []
+        self._demote_callbacks: list[DemoteCallback] = []
+        self._change_callbacks: list[LeaderChangeCallback] = []
+        self._error_callbacks: list[ErrorCallback] = []
+        self._callbacks = CallbackRunner(f"{config.role}")
+        self._wake: asyncio.Event | None = None
+        self._decided: asyncio.Event | None = None
+        self._leading: asyncio.Event | None = None
+        self._main_task: asyncio.Task[None] | None = None
+        self._subscriptions: list[Subscription] = []
+
+    # ------------------------------------------------------------------ API
+
+    @property
+    def role(self) -> str:
+        """The role this election is for."""
+        return self.config.role
+
+    @property
+    def instance_id(self) -> str:
+        """The id of this candidate."""
+        return self.config.instance_id
+
+    @property
+    def rank(self) -> tuple[int, int, str]:
+        """The rank of this candidate (lower is preferred): ``(-priority, tie-breaker, id)``."""
+        return self._me().rank
+
+    @property
+    def phase(self) -> str:
+        """``"init"`` or ``"ping"`` (see :class:`Phase`)."""
+        return self._phase
+
+    @property
+    def state(self) -> ElectionState:
+        """The current state (a leader past its lease reports ``FOLLOWER``)."""
+        if self._state is ElectionState.LEADER and not self._lease_valid():
+            return ElectionState.FOLLOWER
+        return self._state
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process leads the role *now*.
+
+        Checked against the local lease deadline on the monotonic clock at
+        every call, so it turns ``False`` on time even if the event loop is
+        late. Safe to read from any thread.
+        """
+        return self._state is ElectionState.LEADER and self._lease_valid()
+
+    @property
+    def token(self) -> FencingToken | None:
+        """The current term's fencing token while leading, else ``None``."""
+        return self._token if self.is_leader else None
+
+    @property
+    def leader(self) -> LeaderRecord | None:
+        """The leader of the claim currently honoured (ours while leading), or ``None``."""
+        claim = self._claim
+        if claim is None:
+            return None
+        return _record(claim)
+
+    @property
+    def leader_id(self) -> str | None:
+        """The id of the leader currently honoured, or ``None`` when the role looks free."""
+        claim = self._claim
+        return claim.id if claim is not None else None
+
+    @property
+    def error(self) -> ElectionError | None:
+        """The permanent error that stopped the election, if any."""
+        return self._error
+
+    @property
+    def lease_remaining(self) -> float:
+        """Seconds left on the local lease (0 when not leading)."""
+        if self._state is not ElectionState.LEADER:
+            return 0.0
+        return max(0.0, self._lease_deadline - self._clock.monotonic())
+
+    def bind(self, backend: Backend) -> None:
+        """Use ``backend`` (a connection shared with other roles) instead of connecting.
+
+        Raises:
+            ElectionStoppedError: If the election was started already.
+
+        """
+        if self._state is not ElectionState.INIT:
+            raise ElectionStoppedError("bind() must be called before start()")
+        self._backend = backend
+
+    def wake(self) -> None:
+        """Re-evaluate now; called when the connection goes down or comes back."""
+        if self._wake is not None:
+            self._wake.set()
+
+    def on_promote(self, callback: PromoteCallback) -> PromoteCallback:
+        """Register ``callback(token)``, called when this process becomes leader.
+
+        Usable as a decorator. Sync callbacks run on a worker thread, async
+        ones on the loop; either way never on the allcall path.
+        """
+        self._promote_callbacks.append(callback)
+        return callback
+
+    def on_demote(self, callback: DemoteCallback) -> DemoteCallback:
+        """Register ``callback(reason)``, called when this process stops leading.
+
+        Reasons used by ALLCALL: ``STOPPED``, ``RESIGNED``, ``TAKEOVER``,
+        ``HEALTH_CHECK_FAILED``, ``LEASE_EXPIRED`` (renewals not echoed in
+        time), ``DISCONNECTED`` (longer than ``disconnect_grace``),
+        ``REVISION_CHANGED`` (a better claim of another leader was heard) and
+        ``TOKEN_MISMATCH`` (a concurrent term with a higher epoch was heard:
+        this process starts a new term at once, with a new token).
+        """
+        self._demote_callbacks.append(callback)
+        return callback
+
+    def on_leader_change(self, callback: LeaderChangeCallback) -> LeaderChangeCallback:
+        """Register ``callback(record_or_None)``, called when the honoured claim changes."""
+        self._change_callbacks.append(callback)
+        return callback
+
+    def on_error(self, callback: ErrorCallback) -> ErrorCallback:
+        """Register ``callback(error)``, called when an error stops the election."""
+        self._error_callbacks.append(callback)
+        return callback
+
+    async def start(self, *, wait: float | None = None) -> None:
+        """Join the election.
+
+        Subscribes to the role's subjects (no KV bucket is opened: JetStream
+        is not needed) and enters the init phase, in which this process
+        answers allcalls and adopts the claims it hears but starts no term
+        for ``ttl + max_clock_skew``. Returns once the current leader is
+        known, which takes about one heartbeat when somebody leads; when
+        nobody does, it returns after ``wait`` and the election goes on in
+        the background (use :meth:`wait_for_leadership`).
+
+        Args:
+            wait: Seconds to wait for a leader to be known; default two
+                heartbeats plus the request timeout.
+
+        Raises:
+            NatsUnavailableError: No connection could be made.
+            ElectionStoppedError: The election was started before.
+
+        """
+        if self._state is not ElectionState.INIT:
+            raise ElectionStoppedError(f"election for {self.role!r} was already started")
+        cfg = self.config
+        self._wake = asyncio.Event()
+        self._decided = asyncio.Event()
+        self._leading = asyncio.Event()
+        backend = await self._open_backend()
+        self._callbacks.start()
+        handlers = {
+            ALLCALL_VERB: self._on_allcall,
+            REPLY_VERB: self._on_reply,
+            c.ROSTER_VERB: self._on_roster,
+            c.RESIGN_VERB: self._on_resign_request,
+        }
+        for verb, handler in handlers.items():
+            self._subscriptions.append(await backend.subscribe(self._subjects[verb], handler))
+        now = self._clock.monotonic()
+        self._enter_init(now)
+        self._set_state(ElectionState.FOLLOWER)
+        logger.info(
+            "%s: joined (allcall, rank priority=%d tiebreak=%08x…); init phase for %.3gs",
+            self.role,
+            cfg.priority,
+            self._tiebreak >> (TIEBREAK_BITS - 32),
+            cfg.ttl + cfg.max_clock_skew,
+        )
+        self._main_task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"allcall-{cfg.role}"
+        )
+        limit = 2 * cfg.heartbeat_interval + cfg.request_timeout if wait is None else wait
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._decided.wait(), limit)
+
+    async def stop(self) -> None:
+        """Leave the election.
+
+        A leader first runs its demote callbacks, then (with
+        ``release_on_stop``) broadcasts the release of its term so that a
+        successor is elected at once. Every candidate announces that it
+        leaves, so that it is no longer considered. Idempotent.
+        """
+        if self._state is ElectionState.STOPPED and self._main_task is None:
+            return
+        was_leader = self._state is ElectionState.LEADER
+        claim = self._own_claim()
+        await self._cancel_main()
+        self._token = None
+        self._lease_deadline = 0.0
+        self._set_state(ElectionState.STOPPED)
+        if was_leader:
+            await self._callbacks.submit(self._demote_callbacks, DemoteReason.STOPPED)
+        released = claim if self.config.release_on_stop else None
+        if released is not None:
+            self._forget_claim(released)
+        # Even without a claim to release, tell the others we are gone so
+        # that they no longer count us as a candidate.
+        await self._publish(ALLCALL_VERB, self._message("release", claim=released))
+        if released is not None:
+            logger.info("%s: released the term (epoch %d)", self.role, released.epoch)
+        await self._teardown()
+
+    async def resign(self) -> None:
+        """Step down if leading: demote callbacks, then the term is released.
+
+        This process then sits out elections for one TTL, so that another
+        candidate takes the role (if there is none, it is elected again).
+        """
+        if self._state is not ElectionState.LEADER or self._wake is None:
+            return
+        await self._release(DemoteReason.RESIGNED)
+
+    async def validate_token(self) -> bool:
+        """Check, as far as ALLCALL can, that this process still holds its term.
+
+        Broadcasts an allcall and waits (up to ``request_timeout``) for the
+        server's echo and for the replies of the candidates of the last
+        rounds; every reply carries its sender's view, and a better claim in
+        any of them demotes this process at once.
+
+        This is **not** a linearizable check, and cannot be one without a
+        quorum: a candidate on the far side of a partition (or one that did
+        not answer in time) may lead concurrently without this process
+        knowing. It proves that the server relayed our claim just now and
+        that no candidate that answered knows a better one.
+
+        Returns:
+            ``True`` only if the echo came back, no better claim was heard,
+            and the local lease is still valid. ``False`` on any doubt.
+
+        """
+        token = self._token
+        if not self.is_leader or token is None or self._backend is None:
+            return False
+        seq = self._next_seq()
+        probe = _Probe(expected=(self._round | self._last_round) - {self.instance_id})
+        self._probes[seq] = probe
+        try:
+            await self._publish(
+                ALLCALL_VERB, self._message("allcall", seq=seq, claim=self._own_claim())
+            )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(probe.done.wait(), self.config.request_timeout)
+        finally:
+            self._probes.pop(seq, None)
+        ok = probe.echoed and self.is_leader and self._token is token
+        self._observer.validation(self.role, self.instance_id, ok)
+        if not ok:
+            logger.debug(
+                "%s: token validation failed (echo %s, leading %s)",
+                self.role,
+                probe.echoed,
+                self.is_leader,
+            )
+        return ok
+
+    async def wait_for_leadership(self, timeout: float | None = None) -> bool:
+        """Wait until this process leads.
+
+        Args:
+            timeout: Seconds to wait; ``None`` waits indefinitely.
+
+        Returns:
+            ``True`` if leading, ``False`` if the timeout passed first.
+
+        Raises:
+            ElectionError: The election stopped on an error.
+            ElectionStoppedError: The election is stopped or was never started.
+
+        """
+        if self.is_leader:
+            return True
+        if self._leading is None or self._state is ElectionState.STOPPED:
+            if self._error is not None:
+                raise self._error
+            raise ElectionStoppedError(f"election for {self.role!r} is not running")
+        try:
+            await asyncio.wait_for(self._wait_leading(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        if self._error is not None:
+            raise self._error
+        return self.is_leader
+
+    async def _wait_leading(self) -> None:
+        assert self._leading is not None
+        while not self.is_leader and self._state is not ElectionState.STOPPED:
+            self._leading.clear()
+            await self._leading.wait()
+
+    def describe(self) -> dict[str, Any]:
+        """Describe this candidate as the roster and status commands show it.
+
+        Returns:
+            A JSON-serializable dict with the keys of
+            :meth:`Election.describe <celery_nats_leader.election.Election.describe>`
+            (``revision`` is always ``None``: there is no KV) plus
+            ``strategy``, ``phase``, ``eligible``, ``max_clock_skew``,
+            ``lease_expires`` (the honoured claim's expiry, wall clock of the
+            host that computed it) and ``candidates`` (ids heard in the last
+            rounds).
+
+        """
+        now = self._clock.monotonic()
+        leading = self.is_leader
+        token = self._token if leading else None
+        claim = self._claim
+        return {
+            "id": self.instance_id,
+            "role": self.role,
+            "strategy": "allcall",
+            "state": self.state.value,
+            "phase": self._phase,
+            "eligible": self._eligible(now),
+            "priority": self.config.priority,
+            "is_leader": leading,
+            "epoch": token.epoch if token else None,
+            "revision": None,
+            "term_age": round(now - self._term_started_at, 3) if leading else None,
+            "lease_remaining": round(self.lease_remaining, 3) if leading else None,
+            "lease_margin": self.config.lease_margin,
+            "max_clock_skew": self.config.max_clock_skew,
+            "last_heartbeat_age": round(now - self._last_confirmed_send, 3) if leading else None,
+            "leader_id": claim.id if claim is not None else None,
+            "lease_expires": claim.expires if claim is not None else None,
+            "candidates": sorted((self._round | self._last_round) - {self.instance_id}),
+            "meta": dict(self.config.meta),
+        }
+
+    # ------------------------------------------------------------ plumbing
+
+    async def _open_backend(self) -> Backend:
+        if self._backend is not None:
+            return self._backend
+        connection = self._connection
+        if connection is None:
+            connection = await connect(
+                self._connect_options or ConnectOptions(),
+                listeners=[_Listener(self)],
+                name=f"allcall-{self.role}",
+            )
+            self._own_connection = connection
+        # Only the core-NATS half of this backend is used: no JetStream call.
+        self._backend = JetStreamBackend(connection)
+        return self._backend
+
+    async def _teardown(self) -> None:
+        for sub in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subscriptions.clear()
+        if self._health_task is not None:
+            self._health_task.cancel()
+            self._health_task = None
+        await self._callbacks.stop()
+        if self._own_connection is not None:
+            with contextlib.suppress(Exception):
+                await self._own_connection.close()
+            self._own_connection = None
+        if self._leading is not None:
+            self._leading.set()
+
+    async def _cancel_main(self) -> None:
+        task, self._main_task = self._main_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _sleep_until(self, deadline: float) -> None:
+        """Wait until ``deadline`` (monotonic) or until something wakes us."""
+        assert self._wake is not None
+        delay = deadline - self._clock.monotonic()
+        if delay > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+        self._wake.clear()
+
+    def _lease_valid(self) -> bool:
+        return self._clock.monotonic() < self._lease_deadline
+
+    def _set_state(self, new: ElectionState) -> None:
+        old = self._state
+        if old is new:
+            return
+        self._state = new
+        logger.info("%s: %s -> %s (%s)", self.role, old.value, new.value, self.instance_id)
+        self._observer.state_changed(self.role, self.instance_id, old.value, new.value)
+        if new is ElectionState.LEADER and self._decided is not None:
+            self._decided.set()
+        if self._leading is not None:
+            self._leading.set()
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _enter_init(self, now: float) -> None:
+        """(Re)start the init phase: no term may begin before it ends.
+
+        Also after a reconnect: claims sent while we were away were not
+        heard, so we wait a full lease (plus the skew) before trusting that
+        the role is free, exactly as a newcomer does.
+        """
+        cfg = self.config
+        self._phase = Phase.INIT
+        self._init_until = max(self._init_until, now + cfg.ttl + cfg.max_clock_skew)
+        # Rounds from before are stale: the first round after init starts afresh.
+        self._round_open = False
+        self._round.clear()
+        self._last_round.clear()
+
+    def _me(self) -> Member:
+        return Member(
+            id=self.instance_id,
+            priority=self.config.priority,
+            tiebreak=self._tiebreak,
+            eligible=self._eligible(self._clock.monotonic()),
+        )
+
+    def _eligible(self, now: float) -> bool:
+        """Whether this process may start a term now."""
+        return (
+            self._state in (ElectionState.FOLLOWER, ElectionState.CANDIDATE, ElectionState.LEADER)
+            and self._phase == Phase.PING
+            and now >= self._sit_out_until
+            and self._disconnected_since is None
+            and self._backend is not None
+            and self._backend.is_connected
+        )
+
+    def _own_claim(self) -> Claim | None:
+        """Our claim, if the honoured claim is our current term."""
+        claim, token = self._claim, self._token
+        if claim is None or token is None:
+            return None
+        if claim.id != self.instance_id or claim.token != token.value:
+            return None
+        return claim
+
+    def _message(
+        self,
+        kind: Kind,
+        *,
+        seq: int | None = None,
+        claim: Claim | None = None,
+        to: str | None = None,
+    ) -> Message:
+        return Message(
+            kind=kind,
+            seq=self._seq if seq is None else seq,
+            sender=self._me(),
+            claim=claim,
+            max_epoch=self._max_epoch,
+            to=to,
+        )
+
+    async def _publish(self, verb: str, message: Message) -> None:
+        if self._backend is None:
+            return
+        with contextlib.suppress(ElectionError):
+            await self._backend.publish(self._subjects[verb], encode_message(message))
+
+    # --------------------------------------------------------- claim state
+
+    def _adopt(self, claim: Claim | None) -> None:
+        """Honour ``claim`` from now on (``None``: the role looks free)."""
+        self._claim = claim
+        key = (claim.id, claim.epoch) if claim is not None else None
+        if key != self._announced:
+            self._announced = key
+            self._callbacks.submit(
+                self._change_callbacks, _record(claim) if claim is not None else None
+            )
+        if claim is not None and self._decided is not None:
+            self._decided.set()
+
+    def _forget_claim(self, claim: Claim) -> None:
+        """A term was released: never honour a relayed copy of it again."""
+        self._released.append((claim.id, claim.epoch))
+        if self._claim is not None and self._claim.term == claim.term:
+            self._adopt(None)
+
+    def _merge(self, incoming: Claim | None, max_epoch: int) -> None:
+        """Take note of a claim heard from a peer, in the seed's order."""
+        if max_epoch > self._max_epoch or (incoming and incoming.epoch > self._max_epoch):
+            self._max_epoch = max(max_epoch, incoming.epoch if incoming else 0)
+            own = self._own_claim()
+            if own is not None and self._max_epoch > own.epoch:
+                # A term we never heard of got a higher epoch than ours: a
+                # fenced resource may have accepted it. Start a new term above.
+                self._reterm = True
+                self.wake()
+        if incoming is None or (incoming.id, incoming.epoch) in self._released:
+            return
+        skew = self.config.max_clock_skew
+        wall = self._wall()
+        if not claim_valid(incoming, wall, skew):
+            return
+        own = self._own_claim()
+        current = self._claim
+        if own is not None:
+            if incoming.term == own.term or incoming.id == self.instance_id:
+                return  # a relay of our own claim: we are its only authority
+            if claim_better(incoming, own, skew):
+                self._superseded(incoming)
+            return
+        if current is not None and claim_valid(current, wall, skew):
+            if incoming.term == current.term:
+                if incoming.expires > current.expires:
+                    self._claim = incoming  # a renewal: same term, later expiry
+                return
+            if not claim_better(incoming, current, skew):
+                return
+        self._adopt(incoming)
+
+    def _superseded(self, better: Claim) -> None:
+        """A better claim of another leader was heard: step down at once."""
+        was_leader = self._state is ElectionState.LEADER
+        logger.warning(
+            "%s: heard a better claim (leader %s, epoch %d); stepping down",
+            self.role,
+            better.id,
+            better.epoch,
+        )
+        self._end_term()
+        self._adopt(better)
+        if was_leader:
+            self._callbacks.submit(self._demote_callbacks, DemoteReason.REVISION_CHANGED)
+        else:
+            self._observer.campaign(self.role, self.instance_id, False)
+        self.wake()
+
+    def _end_term(self) -> None:
+        """Forget our term (state first, callbacks are the caller's)."""
+        self._token = None
+        self._lease_deadline = 0.0
+        self._pending.clear()
+        self._reterm = False
+        if self._health_task is not None:
+            self._health_task.cancel()
+            self._health_task = None
+        if self._state in (ElectionState.LEADER, ElectionState.CANDIDATE):
+            self._set_state(ElectionState.FOLLOWER)
+
+    def _demote(self, reason: DemoteReason) -> None:
+        """Stop leading at once (state first, callbacks after)."""
+        if self._state is not ElectionState.LEADER:
+            return
+        self._end_term()
+        logger.info("%s: demoted (%s)", self.role, reason.value)
+        self._callbacks.submit(self._demote_callbacks, reason)
+        self.wake()
+
+    # ------------------------------------------------------------ handlers
+
+    async def _on_allcall(self, data: bytes, reply: str | None) -> None:
+        message = self._decode(data)
+        if message is None or self._state is ElectionState.STOPPED:
+            return
+        if message.sender.id == self.instance_id:
+            self._echoed(message.seq)
+            return
+        self._members[message.sender.id] = message.sender
+        if message.kind == "release":
+            self._on_release(message)
+            return
+        self._merge(message.claim, message.max_epoch)
+        answer = self._message("reply", seq=message.seq, claim=self._claim, to=message.sender.id)
+        await self._publish(REPLY_VERB, answer)
+
+    async def _on_reply(self, data: bytes, reply: str | None) -> None:
+        message = self._decode(data)
+        if message is None or self._state is ElectionState.STOPPED:
+            return
+        if message.sender.id == self.instance_id:
+            return
+        self._members[message.sender.id] = message.sender
+        self._merge(message.claim, message.max_epoch)
+        if message.to == self.instance_id:
+            if self._round_open:
+                self._round.add(message.sender.id)
+            # The peer got our allcall: the server relayed it, as an echo proves.
+            self._confirm(message.seq)
+            probe = self._probes.get(message.seq)
+            if probe is not None:
+                probe.replied.add(message.sender.id)
+                probe.update()
+
+    def _on_release(self, message: Message) -> None:
+        if message.claim is not None:
+            self._max_epoch = max(self._max_epoch, message.claim.epoch)
+            self._forget_claim(message.claim)
+            logger.info(
+                "%s: %s released its term (epoch %d)",
+                self.role,
+                message.sender.id,
+                message.claim.epoch,
+            )
+        else:
+            # Leaving without a term: drop it from the candidates at once.
+            self._round.discard(message.sender.id)
+            self._last_round.discard(message.sender.id)
+        if self._claim is None:
+            # The role is free: elect now rather than at the next heartbeat.
+            self._evaluate_now = True
+            self.wake()
+
+    def _echoed(self, seq: int) -> None:
+        """The server relayed one of our own allcalls back to us."""
+        self._echo_seen = True
+        self._confirm(seq)
+        probe = self._probes.get(seq)
+        if probe is not None:
+            probe.echoed = True
+            probe.update()
+
+    def _confirm(self, seq: int) -> None:
+        """Allcall ``seq`` went out: extend the lease its claim carried."""
+        pending = self._pending.get(seq)
+        if pending is None:
+            return
+        # Older renewals are moot once a newer one is confirmed.
+        for old in [s for s in self._pending if s <= seq]:
+            del self._pending[old]
+        if pending.token is not self._token:
+            return
+        now = self._clock.monotonic()
+        cfg = self.config
+        deadline = pending.base + cfg.ttl - cfg.lease_margin
+        if now >= deadline:
+            return  # confirmed too late to be of use
+        self._lease_deadline = max(self._lease_deadline, deadline)
+        self._last_confirmed_send = max(self._last_confirmed_send, pending.sent)
+        self._observer.heartbeat(self.role, self.instance_id, now - pending.sent, True)
+        if self._state is ElectionState.CANDIDATE:
+            self._win(pending.token)
+        else:
+            logger.debug("%s: lease renewed (epoch %d)", self.role, pending.token.epoch)
+
+    def _decode(self, data: bytes) -> Message | None:
+        try:
+            return decode_message(data)
+        except MessageFormatError as exc:
+            logger.debug("%s: ignored a malformed allcall message: %s", self.role, exc)
+            return None
+
+    async def _on_roster(self, data: bytes, reply: str | None) -> None:
+        try:
+            body = json.loads(data) if data else {}
+        except ValueError:
+            body = {}
+        if isinstance(body, dict) and "hello" in body and not self._warned_mixed:
+            # Only the KV strategy announces itself with "hello".
+            self._warned_mixed = True
+            logger.error(
+                "%s: a candidate using the KV strategy joined this role (%r); mixing "
+                "strategies elects one leader per strategy. Configure every process alike.",
+                self.role,
+                body.get("hello"),
+            )
+        if reply and self._backend is not None:
+            with contextlib.suppress(ElectionError):
+                await self._backend.publish(reply, json.dumps(self.describe()).encode())
+
+    async def _on_resign_request(self, data: bytes, reply: str | None) -> None:
+        try:
+            body = json.loads(data) if data else {}
+        except ValueError:
+            body = {}
+        if not isinstance(body, dict):
+            body = {}
+        leading = self.is_leader
+        priority = body.get("priority")
+        accepted = leading
+        if leading and isinstance(priority, int) and priority <= self.config.priority:
+            accepted = False  # a takeover request from a candidate not preferred over us
+        if accepted:
+            self._release_reason = (
+                DemoteReason.TAKEOVER if isinstance(priority, int) else DemoteReason.RESIGNED
+            )
+            logger.info(
+                "%s: asked to step down by %s", self.role, body.get("requester", "an operator")
+            )
+            self.wake()
+        if reply and self._backend is not None and leading:
+            answer = {"id": self.instance_id, "accepted": accepted}
+            with contextlib.suppress(ElectionError):
+                await self._backend.publish(reply, json.dumps(answer).encode())
+
+    # ----------------------------------------------------------- main loop
+
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("%s: allcall loop crashed", self.role)
+            await self._fail(ElectionError(f"allcall loop crashed: {exc!r}"))
+
+    async def _fail(self, exc: ElectionError) -> None:
+        logger.error("%s: election stopped: %s", self.role, exc)
+        self._error = exc
+        if self._state is ElectionState.LEADER:
+            self._demote(DemoteReason.ERROR)
+        self._set_state(ElectionState.STOPPED)
+        if self._decided is not None:
+            self._decided.set()
+        await self._callbacks.submit(self._error_callbacks, exc)
+        self._main_task = None
+        await self._teardown()
+
+    async def _loop(self) -> None:
+        cfg = self.config
+        next_tick = self._clock.monotonic()
+        while self._state is not ElectionState.STOPPED:
+            now = self._clock.monotonic()
+            self._track_connection(now)
+            if self._state is ElectionState.LEADER:
+                if now >= self._lease_deadline:
+                    logger.warning(
+                        "%s: no renewal echoed for %.3fs; lease over, stepping down",
+                        self.role,
+                        now - self._last_confirmed_send,
+                    )
+                    self._demote(DemoteReason.LEASE_EXPIRED)
+                    continue
+                if self._release_reason is not None:
+                    await self._release(self._release_reason)
+                    continue
+                if (
+                    self._disconnected_since is not None
+                    and now - self._disconnected_since >= cfg.disconnect_grace
+                ):
+                    logger.warning(
+                        "%s: disconnected for %.3fs (grace %.3fs); stepping down",
+                        self.role,
+                        now - self._disconnected_since,
+                        cfg.disconnect_grace,
+                    )
+                    self._demote(DemoteReason.DISCONNECTED)
+                    continue
+            if self._state is ElectionState.CANDIDATE and now >= self._candidate_until:
+                self._give_up_candidacy()
+                continue
+            if self._phase == Phase.INIT and now >= self._init_until:
+                self._phase = Phase.PING
+                logger.info("%s: init phase over, issuing allcalls", self.role)
+                next_tick = now
+            on_grid = now >= next_tick
+            if on_grid or self._evaluate_now or self._reterm:
+                # Out-of-grid ticks (a release was heard, a concurrent term
+                # must be superseded) do not move the heartbeat grid.
+                self._evaluate_now = False
+                await self._tick(now)
+                if on_grid:
+                    next_tick += cfg.heartbeat_interval
+                    if next_tick <= now:
+                        next_tick = now + cfg.heartbeat_interval  # we were late
+                continue
+            wake_at = next_tick
+            if self._phase == Phase.INIT:
+                wake_at = min(wake_at, self._init_until)
+            if self._state is ElectionState.LEADER:
+                wake_at = min(wake_at, self._lease_deadline)
+                if self._disconnected_since is not None:
+                    wake_at = min(wake_at, self._disconnected_since + cfg.disconnect_grace)
+            if self._state is ElectionState.CANDIDATE:
+                wake_at = min(wake_at, self._candidate_until)
+            await self._sleep_until(wake_at)
+
+    def _track_connection(self, now: float) -> None:
+        assert self._backend is not None
+        if not self._backend.is_connected:
+            if self._disconnected_since is None:
+                self._disconnected_since = now
+                logger.warning("%s: lost the NATS connection", self.role)
+            return
+        if self._disconnected_since is not None:
+            self._disconnected_since = None
+            logger.info("%s: reconnected; init phase again before any new term", self.role)
+            self._enter_init(now)
+
+    async def _tick(self, now: float) -> None:
+        """One heartbeat: expire, complete the round, elect or renew, then allcall."""
+        wall = self._wall()
+        claim = self._claim
+        if (
+            claim is not None
+            and self._own_claim() is None
+            and not claim_valid(claim, wall, self.config.max_clock_skew)
+        ):
+            logger.info("%s: the lease of %s ran out", self.role, claim.id)
+            self._adopt(None)
+        leading = self._state in (ElectionState.LEADER, ElectionState.CANDIDATE)
+        if self._phase == Phase.INIT and not leading:
+            return  # the seed: no allcalls during init
+        if self._state is ElectionState.LEADER:
+            self._count_unconfirmed(now)
+        candidates: set[str] | None = None
+        if self._round_open:
+            # The seed's round: the replies to our allcalls over the last
+            # heartbeat, plus the one before, so that a late reply does not
+            # drop a live candidate.
+            candidates = self._round | self._last_round
+            self._last_round, self._round = self._round, set()
+        self._round_open = True
+        seq = self._next_seq()
+        reterm, self._reterm = self._reterm, False
+        if reterm and self._state in (ElectionState.LEADER, ElectionState.CANDIDATE):
+            logger.warning(
+                "%s: a concurrent term with epoch %d exists; starting a new term above it",
+                self.role,
+                self._max_epoch,
+            )
+            self._demote(DemoteReason.TOKEN_MISMATCH)  # no-op for a candidate
+            self._begin_term(now, wall, seq)
+        elif self._state is ElectionState.LEADER:
+            self._renew(now, wall, seq)
+        elif self._state is ElectionState.CANDIDATE:
+            self._retransmit(now, seq)
+        elif candidates is not None and self._claim is None:
+            self._elect(now, wall, seq, candidates)
+        elif self._claim is not None and self._phase == Phase.PING:
+            await self._maybe_take_over(self._claim, now)
+        await self._publish(ALLCALL_VERB, self._message("allcall", seq=seq, claim=self._claim))
+
+    def _elect(self, now: float, wall: float, seq: int, candidates: set[str]) -> None:
+        """The role is free: the eligible candidate of lowest rank starts a term."""
+        if not self._eligible(now):
+            return
+        ranked = [self._me()]
+        ranked += [
+            self._members[i]
+            for i in candidates
+            if i in self._members and i != self.instance_id and self._members[i].eligible
+        ]
+        best = min(ranked, key=lambda member: member.rank)
+        if best.id != self.instance_id:
+            logger.debug("%s: role free; %s has the lowest rank", self.role, best.id)
+            return
+        self._begin_term(now, wall, seq)
+
+    def _begin_term(self, now: float, wall: float, seq: int) -> None:
+        """Mint a term and claim it; it begins when the claim is echoed."""
+        cfg = self.config
+        epoch = new_epoch(wall, self._max_epoch)
+        self._max_epoch = epoch
+        token = FencingToken(epoch=epoch, value=str(uuid.uuid4()))
+        self._token = token
+        self._pending.clear()
+        claim = Claim(
+            id=self.instance_id,
+            priority=cfg.priority,
+            tiebreak=self._tiebreak,
+            epoch=epoch,
+            token=token.value,
+            expires=wall + cfg.ttl,
+            meta=dict(cfg.meta),
+        )
+        self._adopt(claim)
+        self._candidate_until = now + cfg.ttl - cfg.lease_margin
+        self._pending[seq] = _Pending(base=now, sent=now, token=token)
+        self._set_state(ElectionState.CANDIDATE)
+        logger.info("%s: no valid lease and lowest rank: claiming epoch %d", self.role, epoch)
+
+    def _renew(self, now: float, wall: float, seq: int) -> None:
+        own = self._own_claim()
+        assert own is not None and self._token is not None
+        if self._disconnected_since is not None:
+            return  # a renewal nobody hears must not extend our lease
+        self._claim = own.renewed(wall + self.config.ttl)
+        self._pending[seq] = _Pending(base=now, sent=now, token=self._token)
+        while len(self._pending) > _MAX_PENDING:
+            del self._pending[min(self._pending)]
+
+    def _retransmit(self, now: float, seq: int) -> None:
+        """Send our unconfirmed claim again, unchanged: its lease still runs from its base."""
+        assert self._token is not None
+        first = min(self._pending.values(), key=lambda p: p.base, default=None)
+        base = first.base if first is not None else now
+        self._pending[seq] = _Pending(base=base, sent=now, token=self._token)
+
+    def _count_unconfirmed(self, now: float) -> None:
+        stale = [p for p in self._pending.values() if p.sent < now]
+        if stale:
+            latest = max(stale, key=lambda p: p.sent)
+            self._observer.heartbeat(self.role, self.instance_id, now - latest.sent, False)
+
+    def _give_up_candidacy(self) -> None:
+        logger.warning(
+            "%s: our claim was never echoed back; giving up the candidacy%s",
+            self.role,
+            "" if self._echo_seen else " (no_echo set on the connection? ALLCALL needs echo)",
+        )
+        self._observer.campaign(self.role, self.instance_id, False)
+        self._end_term()
+        self._sit_out_until = self._clock.monotonic() + self.config.ttl
+
+    def _win(self, token: FencingToken) -> None:
+        cfg = self.config
+        now = self._clock.monotonic()
+        self._term_started_at = now
+        self._release_reason = None
+        self._set_state(ElectionState.LEADER)
+        self._observer.campaign(self.role, self.instance_id, True)
+        logger.info("%s: promoted, epoch %d", self.role, token.epoch)
+        self._callbacks.submit(self._promote_callbacks, token)
+        if cfg.health_check is not None:
+            self._health_task = asyncio.get_running_loop().create_task(
+                self._health_loop(token), name=f"health-{cfg.role}"
+            )
+
+    async def _release(self, reason: DemoteReason) -> None:
+        """Graceful hand-over: demote callbacks first, then broadcast the release."""
+        claim = self._own_claim()
+        if self._state is not ElectionState.LEADER or claim is None:
+            return
+        self._release_reason = None
+        self._end_term()
+        # Sit out one TTL so that someone else takes the role.
+        self._sit_out_until = self._clock.monotonic() + self.config.ttl
+        logger.info("%s: stepping down (%s)", self.role, reason.value)
+        await self._callbacks.submit(self._demote_callbacks, reason)
+        self._forget_claim(claim)
+        await self._publish(ALLCALL_VERB, self._message("release", claim=claim))
+        logger.info("%s: released the term (epoch %d)", self.role, claim.epoch)
+        self.wake()
+
+    async def _maybe_take_over(self, leader: Claim, now: float) -> None:
+        cfg = self.config
+        if (
+            not cfg.allow_takeover
+            or leader.priority >= cfg.priority
+            or leader.id == self.instance_id
+            or now < self._next_takeover_at
+            or not self._eligible(now)
+        ):
+            return
+        self._next_takeover_at = now + cfg.ttl
+        assert self._backend is not None
+        request = json.dumps(
+            {"requester": cfg.instance_id, "priority": cfg.priority, "reason": "takeover"}
+        ).encode()
+        try:
+            reply = await self._backend.request(
+                self._subjects[c.RESIGN_VERB], request, timeout=cfg.request_timeout
+            )
+        except ElectionError as exc:
+            logger.debug("%s: takeover request unanswered: %s", self.role, exc)
+            return
+        logger.info("%s: asked leader %s to hand over: %s", self.role, leader.id, reply[:200])
+
+    async def _health_loop(self, token: FencingToken) -> None:
+        cfg = self.config
+        check = cfg.health_check
+        assert check is not None
+        failures = 0
+        loop = asyncio.get_running_loop()
+        while self._token is token:
+            await asyncio.sleep(cfg.health_check_interval)
+            try:
+                if inspect.iscoroutinefunction(check):
+                    healthy = await asyncio.wait_for(check(), cfg.heartbeat_interval)
+                else:
+                    result = await asyncio.wait_for(
+                        loop.run_in_executor(None, check), cfg.heartbeat_interval
+                    )
+                    healthy = await result if inspect.isawaitable(result) else result
+            except Exception:
+                logger.exception("%s: health check raised", self.role)
+                healthy = False
+            failures = 0 if healthy else failures + 1
+            if failures:
+                logger.warning(
+                    "%s: health check failed (%d/%d)",
+                    self.role,
+                    failures,
+                    cfg.health_check_failures,
+                )
+            if failures >= cfg.health_check_failures and self._token is token:
+                self._release_reason = DemoteReason.HEALTH_CHECK_FAILED
+                self.wake()
+                return
+
+
+def _record(claim: Claim) -> LeaderRecord:
+    return LeaderRecord(
+        id=claim.id,
+        token=claim.token,
+        epoch=claim.epoch,
+        revision=0,
+        priority=claim.priority,
+        meta=dict(claim.meta),
+    )
+
+
+def _default_wall_clock(clock: Clock | None) -> WallClock:
+    """``time.time``, or a wall clock that moves with an injected monotonic clock."""
+    if clock is None:
+        return time.time
+    offset = time.time() - clock.monotonic()
+    return lambda: clock.monotonic() + offset
+
+
+__all__ = ["AllcallElection", "Phase", "WallClock"]

@@ -1,0 +1,184 @@
+"""``celery nats-leader``: see and steer the elections from the command line.
+
+Registered through Celery's ``celery.commands`` entry point, so it runs with
+the app's configuration::
+
+    celery -A proj nats-leader status            # table; exit 1 if a role has no leader
+    celery -A proj nats-leader status --json     # machine-readable
+    celery -A proj nats-leader resign reports    # ask the leader of "reports" to step down
+
+Exit codes: 0 all right; 1 a configured role has no leader (``status``) or no
+leader accepted (``resign``); 2 the elections could not be read (NATS
+unreachable, bucket missing, bad configuration).
+
+These are one-shot commands: each opens a NATS connection, does its work and
+closes it (``asyncio.run`` is fine here, unlike in long-lived processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from celery_nats_leader import constants as c
+from celery_nats_leader.backend.jetstream import JetStreamBackend
+from celery_nats_leader.connection import connect
+from celery_nats_leader.election import control_subject
+from celery_nats_leader.errors import ElectionError
+from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.status import RoleStatus, read_status
+
+__all__ = ["nats_leader"]
+
+EXIT_OK = 0
+EXIT_NO_LEADER = 1
+EXIT_ERROR = 2
+
+
+def _settings(ctx: click.Context) -> LeaderSettings:
+    obj = ctx.find_root().obj
+    app = getattr(obj, "app", None)
+    if app is None:  # pragma: no cover - always set by the celery command
+        raise click.UsageError("no Celery app: use celery -A <app> nats-leader ...")
+    try:
+        return LeaderSettings.from_celery(app.conf)
+    except ElectionError as exc:
+        click.echo(f"Error: invalid nats_leader settings: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+        raise  # pragma: no cover - ctx.exit raises
+
+
+async def _read(settings: LeaderSettings, roles: Sequence[str], timeout: float) -> list[RoleStatus]:
+    nc = await connect(settings.connection, timeout=timeout, name="celery-nats-leader-cli")
+    try:
+        return await read_status(
+            JetStreamBackend(nc), settings.bucket, roles=roles, timeout=timeout
+        )
+    finally:
+        await nc.close()
+
+
+async def _resign(settings: LeaderSettings, role: str, timeout: float) -> dict[str, Any] | None:
+    nc = await connect(settings.connection, timeout=timeout, name="celery-nats-leader-cli")
+    try:
+        backend = JetStreamBackend(nc)
+        body = json.dumps({"requester": "celery nats-leader resign"}).encode()
+        try:
+            reply = await backend.request(
+                control_subject(settings.bucket, role, c.RESIGN_VERB), body, timeout=timeout
+            )
+        except ElectionError:
+            return None
+        answer = json.loads(reply)
+        return answer if isinstance(answer, dict) else None
+    finally:
+        await nc.close()
+
+
+def _table(statuses: Sequence[RoleStatus], configured: Sequence[str]) -> str:
+    headers = ("ROLE", "LEADER", "EPOCH", "TERM AGE", "EXPIRES IN", "HOST", "PID", "WORKER")
+    rows = []
+    for status in statuses:
+        meta = status.leader_meta
+        leader = status.leader_id or ("-- none --" if status.role in configured else "-")
+        if status.problem:
+            leader = f"?? {status.problem}"
+        rows.append(
+            (
+                status.role,
+                leader,
+                "" if status.epoch is None else str(status.epoch),
+                "" if status.term_age is None else f"{status.term_age:.1f}s",
+                "" if status.expires_in is None else f"{status.expires_in:.1f}s",
+                str(meta.get("hostname", "")),
+                str(meta.get("pid", "")),
+                str(meta.get("worker", "")),
+            )
+        )
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += [
+        "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    ]
+    return "\n".join(lines)
+
+
+@click.group(name="nats-leader")
+def nats_leader() -> None:
+    """Leader election on NATS JetStream KV: status and operator commands."""
+
+
+@nats_leader.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for NATS.")
+@click.option(
+    "--role",
+    "extra_roles",
+    multiple=True,
+    help="Also require a leader for this role (repeatable); default: nats_leader_roles.",
+)
+@click.pass_context
+def status(ctx: click.Context, as_json: bool, timeout: float, extra_roles: tuple[str, ...]) -> None:
+    """Print every role of the bucket with its leader and term.
+
+    Exits 1 when a configured role (nats_leader_roles, plus --role) has no leader.
+    """
+    settings = _settings(ctx)
+    configured = list(dict.fromkeys([*settings.roles, *extra_roles]))
+    try:
+        statuses = asyncio.run(_read(settings, configured, timeout))
+    except ElectionError as exc:
+        click.echo(
+            f"Error: cannot read the elections of bucket {settings.bucket!r}: {exc}", err=True
+        )
+        ctx.exit(EXIT_ERROR)
+    leaderless = [s.role for s in statuses if s.role in configured and not s.has_leader]
+    if as_json:
+        body = {
+            "bucket": settings.bucket,
+            "configured_roles": configured,
+            "leaderless": leaderless,
+            "roles": [s.to_dict() for s in statuses],
+        }
+        click.echo(json.dumps(body, indent=2, sort_keys=True, default=str))
+    else:
+        click.echo(f"bucket {settings.bucket!r} on {', '.join(settings.servers)}")
+        click.echo(_table(statuses, configured))
+        if leaderless:
+            click.echo(f"no leader: {', '.join(leaderless)}", err=True)
+    ctx.exit(EXIT_NO_LEADER if leaderless else EXIT_OK)
+
+
+@nats_leader.command()
+@click.argument("role")
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for an answer.")
+@click.pass_context
+def resign(ctx: click.Context, role: str, timeout: float) -> None:
+    """Ask the current leader of ROLE to step down (it hands over in milliseconds).
+
+    The leader runs its demote callbacks, releases the key and sits out one
+    TTL, so another candidate takes the role.
+    """
+    settings = _settings(ctx)
+    try:
+        answer = asyncio.run(_resign(settings, role, timeout))
+    except ElectionError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+    if answer is None:
+        click.echo(f"no leader of {role!r} answered within {timeout:g}s", err=True)
+        ctx.exit(EXIT_NO_LEADER)
+    accepted = bool(answer.get("accepted"))
+    click.echo(f"{answer.get('id')}: {'stepping down' if accepted else 'refused'}")
+    ctx.exit(EXIT_OK if accepted else EXIT_NO_LEADER)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(nats_leader())

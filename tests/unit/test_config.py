@@ -1,0 +1,94 @@
+"""Configuration validation: every bad value names the field and what to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_nats_leader import ConfigError, ElectionConfig, FencingToken
+from celery_nats_leader.errors import RecordFormatError
+from celery_nats_leader.record import decode_record, encode_record
+from celery_nats_leader.settings import LeaderSettings
+
+
+def test_defaults_are_derived_from_ttl() -> None:
+    cfg = ElectionConfig(ttl=8)
+    assert cfg.heartbeat_interval == 2.0
+    assert cfg.request_timeout == 1.0
+    assert cfg.lease_margin == pytest.approx(0.8)
+    assert cfg.disconnect_grace == 4.0
+    assert cfg.resync_interval == 2.0
+    assert cfg.lease_seconds == pytest.approx(7.2)
+    assert cfg.bucket == "leaders" and cfg.role == "default"
+    assert cfg.instance_id.count(":") == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"ttl": 0.1}, "ttl=0.1 is out of range"),
+        ({"ttl": 10, "heartbeat_interval": 4}, "at least 3 x heartbeat_interval"),
+        ({"ttl": 10, "request_timeout": 2.5}, "request_timeout=2.5 must be shorter"),
+        ({"ttl": 10, "lease_margin": 7}, "lease_margin=7.0 leaves no room"),
+        ({"ttl": 10, "disconnect_grace": 9.5}, "disconnect_grace=9.5 is longer than the lease"),
+        ({"role": "bad role"}, "role='bad role' is not a valid role name"),
+        ({"role": ".beat"}, "not a valid role name"),
+        ({"bucket": "a.b"}, "bucket='a.b' is not a valid KV bucket name"),
+        ({"ttl": "10"}, "ttl='10' must be a number of seconds"),
+        ({"ttl": -1}, "must be a non-negative number"),
+        ({"priority": 1.5}, "priority=1.5 must be an integer"),
+        ({"validation_interval": 0.1}, "validation_interval=0.1 is shorter than heartbeat"),
+        ({"health_check_failures": 0}, "health_check_failures=0"),
+        ({"bucket_replicas": 7}, "bucket_replicas=7"),
+        ({"instance_id": " "}, "instance_id must be a non-empty string"),
+        ({"strategy": "raft"}, "strategy='raft' is unknown"),
+    ],
+)
+def test_bad_values_name_the_field(kwargs: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
+        ElectionConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_from_mapping_rejects_unknown_names() -> None:
+    with pytest.raises(ConfigError, match="unknown election setting\\(s\\) tll"):
+        ElectionConfig.from_mapping({"tll": 5})
+
+
+def test_settings_per_role_options_and_errors() -> None:
+    settings = LeaderSettings.from_mapping(
+        {"TTL": 6, "ROLES": "default,reports", "ROLE_OPTIONS": {"reports": {"priority": 5}}}
+    )
+    assert settings.roles == ("default", "reports")
+    assert settings.election_config("reports").priority == 5
+    assert settings.election_config("default").priority == 0
+    assert settings.queue_for("reports") == "nats_leader.reports"
+    with pytest.raises(ConfigError, match="for role 'default': heartbeat_interval=3.0"):
+        LeaderSettings(ttl=6, heartbeat_interval=3)
+    with pytest.raises(ConfigError, match="unknown nats_leader setting 'TLL'"):
+        LeaderSettings.from_mapping({"TLL": 1})
+
+
+def test_record_round_trip_and_first_write_epoch() -> None:
+    raw = encode_record(instance_id="a:1:x", token="t-1", epoch=None, priority=3, meta={"h": 1})
+    record = decode_record(raw, revision=41)
+    assert (record.id, record.token, record.epoch, record.priority) == ("a:1:x", "t-1", 41, 3)
+    renewed = decode_record(
+        encode_record(instance_id="a:1:x", token="t-1", epoch=41, priority=3, meta={}), 57
+    )
+    assert renewed.epoch == 41 and renewed.revision == 57
+
+
+@pytest.mark.parametrize(
+    "raw", [b"", b"not json", b"[]", b'{"id": "x"}', b'{"id":"x","token":"t","epoch":-3}']
+)
+def test_foreign_values_are_rejected(raw: bytes) -> None:
+    with pytest.raises(RecordFormatError):
+        decode_record(raw, revision=5)
+
+
+def test_token_header_round_trip_and_ordering() -> None:
+    token = FencingToken(412, "9f2c0000-aaaa-bbbb-cccc-000000000000")
+    assert FencingToken.from_header(token.to_header()) == token
+    assert FencingToken(413, "a") > token
+    assert "9f2c0000…" in repr(token) and "cccc" not in repr(token)
+    with pytest.raises(RecordFormatError):
+        FencingToken.from_header("abc")
