@@ -150,7 +150,11 @@ async def connect(
     if name and "name" not in kwargs:
         kwargs["name"] = name
 
+    client: list[Client] = []
+
     async def on_disconnected() -> None:
+        if client and client[0].is_closed:
+            return  # our own close(), not an outage
         logger.warning("disconnected from NATS")
         for listener in listeners:
             listener.disconnected()
@@ -165,8 +169,11 @@ async def connect(
 
     connect_timeout = float(kwargs.pop("connect_timeout", min(2.0, timeout)))
     kwargs.setdefault("reconnect_time_wait", 0.5)
+    # Notice a dead TCP connection (no RST, no bytes) in seconds, not minutes.
+    kwargs.setdefault("ping_interval", 5)
+    kwargs.setdefault("max_outstanding_pings", 2)
     try:
-        return await asyncio.wait_for(
+        nc = await asyncio.wait_for(
             nats.connect(
                 servers=list(options.servers),
                 connect_timeout=connect_timeout,
@@ -184,6 +191,8 @@ async def connect(
         raise NatsUnavailableError(
             f"could not connect to NATS at {', '.join(options.servers)} within {timeout:g}s: {exc}"
         ) from exc
+    client.append(nc)
+    return nc
 
 
 __all__ = ["ConnectOptions", "ConnectionListener", "connect"]
