@@ -8,6 +8,7 @@ consistent configuration; the derived values are visible on the instance.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import uuid
@@ -136,7 +137,7 @@ class ElectionConfig:
 
     disconnect_grace: float = 0.0
     """Seconds a leader stays leader while disconnected from NATS; ``0`` means
-    ``2 × heartbeat`` (never more than the lease allows)."""
+    ``2 x heartbeat`` (never more than the lease allows)."""
 
     health_check: HealthCheck | None = None
     """Optional callable (sync or async) returning ``True`` when fit to lead."""
@@ -305,7 +306,8 @@ class ElectionConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(
-                f"unknown election setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+                f"unknown election setting(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
             )
         return cls(**dict(values))
 
@@ -313,6 +315,6 @@ class ElectionConfig:
 def _seconds(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name}={value!r} must be a number of seconds")
-    if value < 0 or value != value:  # NaN is not equal to itself
+    if value < 0 or math.isnan(value):
         raise ConfigError(f"{name}={value!r} must be a non-negative number of seconds")
     return float(value)

@@ -109,10 +109,10 @@ class DemoteReason(str, enum.Enum):
     """A permanent error (bucket deleted, permission denied) ended the election."""
 
 
-PromoteCallback = Callable[[FencingToken], "None | Awaitable[None]"]
-DemoteCallback = Callable[[DemoteReason], "None | Awaitable[None]"]
-LeaderChangeCallback = Callable[["LeaderRecord | None"], "None | Awaitable[None]"]
-ErrorCallback = Callable[[ElectionError], "None | Awaitable[None]"]
+PromoteCallback = Callable[[FencingToken], "Awaitable[None] | None"]
+DemoteCallback = Callable[[DemoteReason], "Awaitable[None] | None"]
+LeaderChangeCallback = Callable[["LeaderRecord | None"], "Awaitable[None] | None"]
+ErrorCallback = Callable[[ElectionError], "Awaitable[None] | None"]
 
 
 class _Waker(ConnectionListener):
@@ -603,9 +603,11 @@ class Election:
         self._state = new
         logger.info("%s: %s -> %s (%s)", self.role, old.value, new.value, self.instance_id)
         self._observer.state_changed(self.role, self.instance_id, old.value, new.value)
-        if self._decided is not None and new in (ElectionState.LEADER, ElectionState.FOLLOWER):
-            if old is ElectionState.CANDIDATE or new is ElectionState.LEADER:
-                self._decided.set()
+        decided = new is ElectionState.LEADER or (
+            new is ElectionState.FOLLOWER and old is ElectionState.CANDIDATE
+        )
+        if self._decided is not None and decided:
+            self._decided.set()
         if self._leading is not None:
             self._leading.set()
 

@@ -69,7 +69,7 @@ class LeaderService:
         self.metrics: PrometheusObserver | None = None
         if settings.metrics_port is not None:
             # Imported only when asked for: prometheus-client is an optional extra.
-            from celery_nats_leader.prometheus import PrometheusObserver  # noqa: PLC0415
+            from celery_nats_leader.prometheus import PrometheusObserver
 
             self.metrics = PrometheusObserver()
         self.metrics_port: int | None = None
@@ -252,18 +252,22 @@ class LeaderService:
         the consumer to reconcile its queues if a request was lost.
         """
         interval = max(0.05, min(h.config.heartbeat_interval for h in self._handles.values()) / 2)
-        seen = {role: self.shared.validation_failures(role) for role in self.roles}
+        seen = {role: self.shared.validation_counts(role) for role in self.roles}
         while True:
             await asyncio.sleep(interval)
             try:
                 for role, handle in self._handles.items():
                     self.publish(role)
-                    failures = self.shared.validation_failures(role)
+                    counts = self.shared.validation_counts(role)
                     if self.metrics is not None:
-                        for _ in range(max(0, failures - seen[role])):
-                            self.metrics.validation(role, self.instance_id, False)
+                        # Validations done in pool children, counted in the
+                        # shared block, reported here (metrics live in this process).
+                        done = max(0, counts[0] - seen[role][0])
+                        failed = min(done, max(0, counts[1] - seen[role][1]))
+                        for i in range(done):
+                            self.metrics.validation(role, self.instance_id, i >= failed)
                         self.metrics.set_leader(role, self.instance_id, handle.is_leader)
-                    seen[role] = failures
+                    seen[role] = counts
                     if self.shared.take_validation_request(role) and handle.is_leader:
                         # A child found a stale token: confirm (and demote) now.
                         await handle.election.validate_token()

@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 #   88 crc       u32  CRC32 of bytes 8..88
 #   96 failures  u64  validations that failed in children (metrics only)
 #   104 request  u8   a child asks the parent to validate the token now
+#   112 checks   u64  validations done in children (metrics only)
 _SLOT_SIZE = 128
 _SEQ = struct.Struct("<Q")
 _BODY = struct.Struct("<qd64s")
@@ -64,6 +65,7 @@ _BODY_OFFSET = 8
 _CRC_OFFSET = _BODY_OFFSET + _BODY.size
 _FAILURES_OFFSET = 96
 _REQUEST_OFFSET = 104
+_VALIDATIONS_OFFSET = 112
 _TOKEN_BYTES = 64
 
 #: Reads attempted before a reader gives up and answers "not leader".
@@ -177,22 +179,29 @@ class SharedLeadership:
 
     # ------------------------------------------------------------- counters
 
-    def add_validation_failure(self, role: str) -> None:
-        """Count a failed validation in a child (approximate under contention)."""
+    def count_validation(self, role: str, ok: bool) -> None:
+        """Count a validation done in a child (metrics; approximate under contention).
+
+        Several children may increment at once and lose an increment; these
+        counters only feed metrics, never a decision.
+        """
         i = self._index.get(role)
         if i is None:
             return
-        off = i * _SLOT_SIZE + _FAILURES_OFFSET
-        (count,) = _SEQ.unpack_from(self._mm, off)
-        _SEQ.pack_into(self._mm, off, count + 1)
+        offsets = [_VALIDATIONS_OFFSET] if ok else [_VALIDATIONS_OFFSET, _FAILURES_OFFSET]
+        for offset in offsets:
+            off = i * _SLOT_SIZE + offset
+            (count,) = _SEQ.unpack_from(self._mm, off)
+            _SEQ.pack_into(self._mm, off, count + 1)
 
-    def validation_failures(self, role: str) -> int:
-        """Failed validations counted by children so far."""
+    def validation_counts(self, role: str) -> tuple[int, int]:
+        """Validations done and failed in children so far: ``(done, failed)``."""
         i = self._index.get(role)
         if i is None:
-            return 0
-        (count,) = _SEQ.unpack_from(self._mm, i * _SLOT_SIZE + _FAILURES_OFFSET)
-        return int(count)
+            return (0, 0)
+        (done,) = _SEQ.unpack_from(self._mm, i * _SLOT_SIZE + _VALIDATIONS_OFFSET)
+        (failed,) = _SEQ.unpack_from(self._mm, i * _SLOT_SIZE + _FAILURES_OFFSET)
+        return (int(done), int(failed))
 
     def request_validation(self, role: str) -> None:
         """Ask the parent to validate its token against KV soon."""
@@ -316,12 +325,12 @@ class WorkerLeadership:
             return self.local.validate(role, token, timeout)
         limit = timeout if timeout is not None else 2 * self.request_timeouts.get(role, 1.0)
         ok = self._child_validator().validate(role, token, self.instance_id, limit)
+        self.shared.count_validation(role, ok)
         if ok:
             # The parent may have been demoted while we read: re-check the slot.
             snapshot = self.shared.read(role)
             ok = snapshot is not None and snapshot.token_at(time.monotonic()) == token
         else:
-            self.shared.add_validation_failure(role)
             # The parent's watch normally notices within milliseconds; make
             # it look now in case its watch went blind.
             self.shared.request_validation(role)

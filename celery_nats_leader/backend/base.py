@@ -1,5 +1,7 @@
-"""What the election needs from a store: a KV bucket with conditional writes,
-a key watch, and plain request/reply messaging for the side channel.
+"""What the election needs from a store.
+
+A KV bucket with conditional writes and a key watch, and plain request/reply
+messaging for the side channel (roster and resign requests).
 """
 
 from __future__ import annotations

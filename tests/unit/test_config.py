@@ -61,7 +61,7 @@ def test_settings_per_role_options_and_errors() -> None:
     assert settings.election_config("reports").priority == 5
     assert settings.election_config("default").priority == 0
     assert settings.queue_for("reports") == "nats_leader.reports"
-    with pytest.raises(ConfigError, match="for role 'default': heartbeat_interval=3.0"):
+    with pytest.raises(ConfigError, match=r"for role 'default': heartbeat_interval=3\.0"):
         LeaderSettings(ttl=6, heartbeat_interval=3)
     with pytest.raises(ConfigError, match="unknown nats_leader setting 'TLL'"):
         LeaderSettings.from_mapping({"TLL": 1})
