@@ -1,0 +1,348 @@
+"""Election core benchmarks: failover, hand-over, overlap, scale, and the KV floor.
+
+Run with ``benchmarks/run`` (or ``python benchmarks/core.py --help``). Every
+timing is taken on this machine's monotonic clock; candidates are separate
+processes, each with its own NATS connection, against a nats-server started
+for the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import queue
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+from nats.js.api import KeyValueConfig
+
+from celery_nats_leader import Election, ElectionConfig, Elector
+from celery_nats_leader.connection import ConnectOptions
+from celery_nats_leader.testing import NatsServer
+
+BUCKET = "bench"
+HERE = os.path.abspath(__file__)
+
+
+# ---------------------------------------------------------------- children
+
+
+def _emit(lock: threading.Lock, event: str, **fields: Any) -> None:
+    line = json.dumps({"event": event, "at": time.monotonic(), "pid": os.getpid(), **fields})
+    with lock:
+        print(line, flush=True)
+
+
+async def _candidate(url: str, role: str, ttl: float, name: str) -> None:
+    """One candidate process: reports promote/demote times, stops on SIGTERM."""
+    lock = threading.Lock()
+    config = ElectionConfig(role=role, bucket=BUCKET, ttl=ttl, instance_id=name)
+    election = Election(config, connect_options=ConnectOptions(servers=(url,)))
+    election.on_promote(lambda token: _emit(lock, "promoted", id=name, epoch=token.epoch))
+    election.on_demote(lambda reason: _emit(lock, "demoted", id=name, reason=reason.value))
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await election.start()
+    _emit(lock, "ready", id=name)
+    await stop.wait()
+    await election.stop()
+    _emit(lock, "stopped", id=name)
+
+
+def _scale_child(url: str, roles: int, ttl: float, seconds: float) -> None:
+    """Hold ``roles`` roles on one connection; print CPU share and RSS."""
+    elector = Elector(url)
+    for i in range(roles):
+        elector.add_role(ElectionConfig(role=f"scale.r{i}", bucket=BUCKET, ttl=ttl))
+    elector.start(timeout=60)
+    held = sum(h.is_leader for h in elector.roles)
+    # Measure steady state only: let the start-up campaigns settle first.
+    time.sleep(ttl)
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    time.sleep(seconds)
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    still = sum(h.is_leader for h in elector.roles)
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    elector.stop()
+    print(
+        json.dumps(
+            {"held": held, "still": still, "cpu_share": cpu / wall, "rss_mib": rss_kib / 1024}
+        )
+    )
+
+
+# ------------------------------------------------------------------ parent
+
+
+@dataclass
+class Group:
+    """Candidate processes of one role and the events they print."""
+
+    url: str
+    role: str
+    ttl: float
+    procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
+    events: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
+    log: list[dict[str, Any]] = field(default_factory=list)
+    counter: int = 0
+
+    def spawn(self) -> str:
+        self.counter += 1
+        name = f"{self.role}-c{self.counter}"
+        proc = subprocess.Popen(
+            [sys.executable, HERE, "_candidate", self.url, self.role, str(self.ttl), name],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.procs[name] = proc
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        return name
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.events.put(json.loads(line))
+
+    def wait_for(
+        self, wanted: str, names: set[str] | None = None, timeout: float = 60
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            event = self.events.get(timeout=max(0.001, deadline - time.monotonic()))
+            self.log.append(event)
+            if event["event"] == wanted and (names is None or event["id"] in names):
+                return event
+
+    def leader(self) -> str:
+        """The id of the latest promoted, still running candidate."""
+        for event in reversed(self.log):
+            if event["event"] == "promoted" and self.procs[event["id"]].poll() is None:
+                return str(event["id"])
+        raise RuntimeError("no leader seen yet")
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def percentile(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def overlap_seconds(log: list[dict[str, Any]], ended: dict[str, float]) -> float:
+    """Total time during which more than one process believed it led.
+
+    A belief runs from a ``promoted`` event to the same process's ``demoted``
+    event, or to the moment it was killed (``ended``).
+    """
+    intervals: list[tuple[float, float]] = []
+    open_at: dict[str, float] = {}
+    for event in sorted(log, key=lambda e: e["at"]):
+        if event["event"] == "promoted":
+            open_at[event["id"]] = event["at"]
+        elif event["event"] == "demoted" and event["id"] in open_at:
+            intervals.append((open_at.pop(event["id"]), event["at"]))
+    for name, start in open_at.items():
+        intervals.append((start, ended.get(name, float("inf"))))
+    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    total, depth, last = 0.0, 0, 0.0
+    for at, step in points:
+        if depth > 1:
+            total += at - last
+        depth += step
+        last = at
+    return total
+
+
+def crash_failover(
+    url: str, ttl: float, runs: int, candidates: int = 5
+) -> tuple[list[float], float]:
+    """SIGKILL the leader among ``candidates`` processes; time until a successor's promote."""
+    group = Group(url, f"crash{str(ttl).replace('.', '_')}", ttl)
+    killed: dict[str, float] = {}
+    samples: list[float] = []
+    try:
+        names = {group.spawn() for _ in range(candidates)}
+        for _ in names:
+            group.wait_for("ready")
+        while not any(e["event"] == "promoted" for e in group.log):
+            group.wait_for("promoted")
+        for _ in range(runs):
+            leader = group.leader()
+            others = {n for n, p in group.procs.items() if p.poll() is None and n != leader}
+            at = time.monotonic()
+            group.procs[leader].kill()
+            group.procs[leader].wait()
+            killed[leader] = at
+            promoted = group.wait_for("promoted", others, timeout=ttl * 4)
+            samples.append(promoted["at"] - at)
+            # Keep the group at its size for the next run.
+            group.spawn()
+            group.wait_for("ready")
+        return samples, overlap_seconds(group.log, killed)
+    finally:
+        group.close()
+
+
+def graceful_handoff(
+    url: str, runs: int, candidates: int = 10, ttl: float = 5.0
+) -> tuple[list[float], float]:
+    """SIGTERM the leader (Election.stop()); time until a successor's promote."""
+    group = Group(url, "handoff", ttl)
+    samples: list[float] = []
+    try:
+        names = {group.spawn() for _ in range(candidates)}
+        for _ in names:
+            group.wait_for("ready")
+        while not any(e["event"] == "promoted" for e in group.log):
+            group.wait_for("promoted")
+        for _ in range(runs):
+            leader = group.leader()
+            others = {n for n, p in group.procs.items() if p.poll() is None and n != leader}
+            at = time.monotonic()
+            group.procs[leader].send_signal(signal.SIGTERM)
+            promoted = group.wait_for("promoted", others, timeout=ttl * 4)
+            samples.append(promoted["at"] - at)
+            group.procs[leader].wait()
+            group.spawn()
+            group.wait_for("ready")
+        return samples, overlap_seconds(group.log, {})
+    finally:
+        group.close()
+
+
+async def kv_floor(url: str, ops: int = 500) -> tuple[list[float], list[float]]:
+    """Raw nats-py KV get and update round trips: the floor under every election step."""
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    kv = await js.create_key_value(KeyValueConfig(bucket="bench_floor", history=1, ttl=60))
+    revision = await kv.put("k", b"v" * 150)
+    gets, updates = [], []
+    for _ in range(ops):
+        t = time.monotonic()
+        revision = await kv.update("k", b"v" * 150, last=revision)
+        updates.append(time.monotonic() - t)
+        t = time.monotonic()
+        await kv.get("k")
+        gets.append(time.monotonic() - t)
+    await nc.close()
+    return gets, updates
+
+
+def scale(url: str, roles: int, ttl: float, seconds: float) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, HERE, "_scale", url, str(roles), str(ttl), str(seconds)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=seconds + 300,
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def row(name: str, values: list[float], target: str, unit: float = 1.0, suffix: str = "s") -> str:
+    def fmt(v: float) -> str:
+        return f"{v * unit:.3f} s" if suffix == "s" else f"{v * unit:.2f}{suffix}"
+
+    return (
+        f"| {name} | {len(values)} | {fmt(statistics.median(values))} | "
+        f"{fmt(percentile(values, 99))} | {fmt(max(values))} | {target} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="celery-nats-leader core benchmarks")
+    parser.add_argument("--crash-runs", type=int, default=20)
+    parser.add_argument("--handoff-runs", type=int, default=100)
+    parser.add_argument("--scale-roles", type=int, default=1000)
+    parser.add_argument("--scale-seconds", type=float, default=30.0)
+    parser.add_argument("--quick", action="store_true", help="few runs, for a smoke check")
+    args = parser.parse_args()
+    if args.quick:
+        args.crash_runs, args.handoff_runs, args.scale_roles, args.scale_seconds = 3, 10, 100, 5.0
+
+    with NatsServer() as server:
+        url = server.url
+        asyncio.run(_create_bucket(url, 1.0))
+        print(
+            f"# machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}, nats-server {server_version()}"
+        )
+        gets, updates = asyncio.run(kv_floor(url))
+        lines = [
+            "| measurement | runs | p50 | p99 | max | target |",
+            "|---|---|---|---|---|---|",
+            row("KV `get` round trip (floor)", gets, "–", 1000, " ms"),
+            row("KV `update` round trip (floor)", updates, "–", 1000, " ms"),
+        ]
+        overlaps = 0.0
+        for ttl in (1.0, 5.0):
+            asyncio.run(_create_bucket(url, ttl))
+            samples, overlap = crash_failover(url, ttl, args.crash_runs)
+            overlaps += overlap
+            lines.append(
+                row(
+                    f"crash failover, TTL {ttl:g} s, 5 candidates",
+                    samples,
+                    f"p99 ≤ {ttl + 0.1:g} s",
+                )
+            )
+        asyncio.run(_create_bucket(url, 5.0))
+        samples, overlap = graceful_handoff(url, args.handoff_runs)
+        overlaps += overlap
+        lines.append(row("graceful hand-over, 10 candidates", samples, "p99 ≤ 50 ms", 1000, " ms"))
+        lines.append(
+            f"| overlap of two leaders, all runs | – | – | – | {overlaps * 1000:.1f} ms | 0 |"
+        )
+        asyncio.run(_create_bucket(url, 5.0))
+        result = scale(url, args.scale_roles, 5.0, args.scale_seconds)
+        lines.append(
+            f"| {args.scale_roles} roles, one process, TTL 5 s | {result['still']} held | "
+            f"CPU {result['cpu_share'] * 100:.1f} % of a core | RSS {result['rss_mib']:.0f} MiB | – | < 10 % |"
+        )
+        print("\n".join(lines))
+
+
+def server_version() -> str:
+    from celery_nats_leader.testing import find_nats_server_binary
+
+    out = subprocess.run([find_nats_server_binary(), "--version"], capture_output=True, text=True)
+    return out.stdout.strip().split()[-1] if out.stdout else "?"
+
+
+async def _create_bucket(url: str, ttl: float) -> None:
+    """(Re)create the benchmark bucket with ``max_age = ttl``."""
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    try:
+        await js.delete_key_value(BUCKET)
+    except nats.js.errors.NotFoundError:
+        pass
+    await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1, ttl=ttl))
+    await nc.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_candidate":
+        _, _, url_, role_, ttl_, name_ = sys.argv
+        asyncio.run(_candidate(url_, role_, float(ttl_), name_))
+    elif len(sys.argv) > 1 and sys.argv[1] == "_scale":
+        _, _, url_, roles_, ttl_, seconds_ = sys.argv
+        _scale_child(url_, int(roles_), float(ttl_), float(seconds_))
+    else:
+        main()
