@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -313,7 +314,8 @@ def main() -> None:
         result = scale(url, args.scale_roles, 5.0, args.scale_seconds)
         lines.append(
             f"| {args.scale_roles} roles, one process, TTL 5 s | {result['still']} held | "
-            f"CPU {result['cpu_share'] * 100:.1f} % of a core | RSS {result['rss_mib']:.0f} MiB | – | < 10 % |"
+            f"CPU {result['cpu_share'] * 100:.1f} % of a core | "
+            f"RSS {result['rss_mib']:.0f} MiB | – | < 10 % |"
         )
         print("\n".join(lines))
 
@@ -321,7 +323,9 @@ def main() -> None:
 def server_version() -> str:
     from celery_nats_leader.testing import find_nats_server_binary
 
-    out = subprocess.run([find_nats_server_binary(), "--version"], capture_output=True, text=True)
+    out = subprocess.run(
+        [find_nats_server_binary(), "--version"], check=False, capture_output=True, text=True
+    )
     return out.stdout.strip().split()[-1] if out.stdout else "?"
 
 
@@ -329,10 +333,8 @@ async def _create_bucket(url: str, ttl: float) -> None:
     """(Re)create the benchmark bucket with ``max_age = ttl``."""
     nc = await nats.connect(url)
     js = nc.jetstream()
-    try:
+    with contextlib.suppress(nats.js.errors.NotFoundError):
         await js.delete_key_value(BUCKET)
-    except nats.js.errors.NotFoundError:
-        pass
     await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1, ttl=ttl))
     await nc.close()
 
