@@ -1,0 +1,43 @@
+"""Helpers to run real NATS servers and inject network faults in tests and benchmarks.
+
+Nothing here is used by the library at runtime; it is shipped so that this
+project's tests and benchmarks (and those of applications built on it) can
+exercise leader election against a real ``nats-server`` instead of mocks:
+
+* :class:`NatsServer` runs one ``nats-server`` (JetStream on) on a free port
+  with a private store directory; it can be stopped, killed, restarted with its
+  data intact, paused (SIGSTOP) and resumed.
+* :class:`NatsCluster` runs an N-node JetStream cluster and waits for a meta
+  leader, so that replicated KV buckets can be created immediately.
+* :class:`FaultProxy` (asyncio) and :class:`ThreadedFaultProxy` (own thread,
+  sync API) sit between a client and a server and simulate partitions
+  (blackhole), connection resets, refused connections and latency.
+
+The ``nats-server`` binary is looked up by :func:`find_nats_server_binary`
+(``$NATS_SERVER_BIN``, ``PATH``, then ``/usr/sbin/nats-server``).
+"""
+
+from __future__ import annotations
+
+from celery_nats_leader.testing.fault_proxy import FaultProxy, ThreadedFaultProxy
+from celery_nats_leader.testing.nats_server import (
+    READY_MARKER,
+    ROUTES_READY_MARKER,
+    NatsCluster,
+    NatsServer,
+    NatsServerError,
+    find_nats_server_binary,
+    free_port,
+)
+
+__all__ = [
+    "READY_MARKER",
+    "ROUTES_READY_MARKER",
+    "FaultProxy",
+    "NatsCluster",
+    "NatsServer",
+    "NatsServerError",
+    "ThreadedFaultProxy",
+    "find_nats_server_binary",
+    "free_port",
+]
