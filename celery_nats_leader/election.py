@@ -554,6 +554,7 @@ class Election:
             self._health_task = None
         await self._callbacks.stop()
         if self._own_connection is not None:
+            # close() flushes to the socket and can raise when the server is gone.
             with contextlib.suppress(Exception):
                 await self._own_connection.close()
             self._own_connection = None

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client
 
 from celery_nats_leader.backend.base import Backend
@@ -338,7 +339,11 @@ class Elector(ConnectionListener):
         )
         if self._connection is not None:
             try:
+                # close() flushes to the socket and can raise when the server
+                # is already gone; the connection is closed either way.
                 await self._connection.close()
+            except (OSError, nats.errors.Error) as exc:
+                logger.debug("closing the NATS connection: %s", exc)
             finally:
                 self._connection = None
                 self._backend = None
