@@ -1,0 +1,185 @@
+"""The database fence: a stale leader's writes are rejected by the database itself.
+
+A leader that was paused (GC, SIGSTOP, a frozen VM) or cut off may still
+believe it leads when it wakes up, while a successor already runs a newer
+term. Every term has a :class:`~celery_nats_leader.token.FencingToken` whose
+``epoch`` strictly grows from term to term. The database remembers, per role,
+the highest epoch it has accepted a write from (:class:`FenceEpoch`), and
+:func:`fenced` refuses a write that carries an older one::
+
+    from django_nats_leader.fencing import fenced
+
+    with fenced("reports", leader_token):      # StaleLeaderError if outdated
+        Report.objects.create(day=day, body=body)
+
+How it stays right under concurrency: inside one transaction, :func:`fenced`
+makes sure the role's row exists (``INSERT ... ON CONFLICT DO NOTHING``, so
+two first writers cannot both insert), locks it with ``SELECT ... FOR
+UPDATE``, compares the epochs, raises the high-water mark if the token is
+newer, and only then runs the block. The lock is held until the transaction
+commits, so a stale writer that raced a newer one waits for it, then reads
+the newer epoch and is rejected; a writer whose epoch was accepted commits
+its writes before any other fenced write of the role can start. On
+PostgreSQL (and other databases with row locks) this is exact. On SQLite,
+which has no row locks, the insert takes the database's single write lock,
+which serializes fenced writes just the same (use ``"transaction_mode":
+"IMMEDIATE"`` in the database ``OPTIONS`` to avoid ``database is locked``
+errors under load).
+
+The fence orders writes by term: once any write of epoch ``n`` committed,
+every write of an epoch below ``n`` fails. A stale leader's write that
+commits *before* the successor's first fenced write is still accepted: its
+term was the newest the database had seen, which is all a fencing token can
+promise (Kleppmann, "How to do distributed locking").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from django.db import router, transaction
+
+from celery_nats_leader.errors import LeadershipLostError
+from celery_nats_leader.token import FencingToken
+
+if TYPE_CHECKING:
+    from django_nats_leader.models import FenceEpoch
+
+logger = logging.getLogger(__name__)
+
+#: Characters of the token value stored next to the epoch (never the whole token).
+TOKEN_PREFIX_CHARS = 12
+
+
+class StaleLeaderError(LeadershipLostError):
+    """Raised when a fenced write carries an older term than one the database has seen.
+
+    It is a :class:`~celery_nats_leader.errors.LeadershipLostError` (and so an
+    :class:`~celery_nats_leader.errors.ElectionError`): a ``@leader_only``
+    task that hits it is handled by its ``on_follower`` policy (by default
+    requeued for the current leader).
+
+    Attributes:
+        role: The role.
+        epoch: The rejected token's epoch (``None`` when there was no token).
+        current_epoch: The highest epoch the database has accepted.
+
+    """
+
+    def __init__(self, message: str, *, role: str, epoch: int | None, current_epoch: int | None):
+        super().__init__(message)
+        self.role = role
+        self.epoch = epoch
+        self.current_epoch = current_epoch
+
+
+def _as_token(token: FencingToken | str | None, role: str) -> FencingToken:
+    if isinstance(token, FencingToken):
+        return token
+    if isinstance(token, str):
+        return FencingToken.from_header(token)
+    raise StaleLeaderError(
+        f"no fencing token for role {role!r}: this process does not lead it",
+        role=role,
+        epoch=None,
+        current_epoch=None,
+    )
+
+
+def _database(using: str | None) -> str:
+    if using is not None:
+        return using
+    from django_nats_leader.models import FenceEpoch
+
+    return str(router.db_for_write(FenceEpoch))
+
+
+@contextlib.contextmanager
+def fenced(
+    role: str,
+    token: FencingToken | str | None,
+    *,
+    using: str | None = None,
+    holder: str = "",
+) -> Iterator[FenceEpoch]:
+    """Run the block only if ``token`` is not older than any term the database has seen.
+
+    The block runs inside a transaction (a savepoint when already inside one)
+    that holds the role's fence row locked until the outermost transaction
+    commits; write to the same database (``using``) inside the block so that
+    the writes commit, or roll back, together with the fence.
+
+    Args:
+        role: The election role whose leadership the write relies on.
+        token: The leader's token (``RoleHandle.token``, ``leader_token`` of a
+            ``@leader_only`` task) or its header form ``"<epoch>:<value>"``.
+            ``None`` (not leading) is rejected.
+        using: The database alias; default the router's choice for
+            :class:`~django_nats_leader.models.FenceEpoch`.
+        holder: Who writes (an instance id), stored for operators.
+
+    Yields:
+        The role's locked fence row, already carrying ``token``'s epoch.
+
+    Raises:
+        StaleLeaderError: ``token`` is older than the newest epoch seen for
+            ``role``, or is another term of the same epoch. Nothing in the
+            block ran.
+
+    """
+    from django_nats_leader.models import FenceEpoch
+
+    fencing_token = _as_token(token, role)
+    prefix = fencing_token.value[:TOKEN_PREFIX_CHARS]
+    db = _database(using)
+    with transaction.atomic(using=db):
+        # Insert-or-nothing first, so that two first writers of a role cannot
+        # both create the row (ON CONFLICT DO NOTHING / INSERT OR IGNORE).
+        FenceEpoch.objects.using(db).bulk_create(
+            [FenceEpoch(role=role, epoch=fencing_token.epoch, token_prefix=prefix, holder=holder)],
+            ignore_conflicts=True,
+        )
+        row = FenceEpoch.objects.using(db).select_for_update().get(role=role)
+        if fencing_token.epoch < row.epoch:
+            logger.warning(
+                "fence %r: rejected a write of epoch %d, epoch %d is newer",
+                role,
+                fencing_token.epoch,
+                row.epoch,
+            )
+            raise StaleLeaderError(
+                f"stale leader for role {role!r}: its term (epoch {fencing_token.epoch}) is older "
+                f"than epoch {row.epoch}, already seen by the database",
+                role=role,
+                epoch=fencing_token.epoch,
+                current_epoch=row.epoch,
+            )
+        if fencing_token.epoch == row.epoch and row.token_prefix and row.token_prefix != prefix:
+            raise StaleLeaderError(
+                f"conflicting term for role {role!r}: epoch {row.epoch} was seen with another "
+                "token (two buckets using one role name?)",
+                role=role,
+                epoch=fencing_token.epoch,
+                current_epoch=row.epoch,
+            )
+        if fencing_token.epoch > row.epoch:
+            logger.info("fence %r: epoch %d -> %d", role, row.epoch, fencing_token.epoch)
+            row.epoch = fencing_token.epoch
+            row.token_prefix = prefix
+            row.holder = holder
+            row.save(using=db, update_fields=["epoch", "token_prefix", "holder", "updated_at"])
+        yield row
+
+
+def current_epoch(role: str, *, using: str | None = None) -> int | None:
+    """The highest epoch accepted for ``role``, or ``None`` before its first fenced write."""
+    from django_nats_leader.models import FenceEpoch
+
+    row = FenceEpoch.objects.using(_database(using)).filter(role=role).first()
+    return None if row is None else row.epoch
+
+
+__all__ = ["TOKEN_PREFIX_CHARS", "StaleLeaderError", "current_epoch", "fenced"]

@@ -1,0 +1,1 @@
+"""Management commands of django_nats_leader."""

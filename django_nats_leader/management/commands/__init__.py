@@ -1,0 +1,1 @@
+"""``election_status``, ``election_resign`` and ``election_bucket``."""

@@ -1,0 +1,155 @@
+"""``manage.py election_status``: who leads every role, and every live candidate.
+
+Exit status: 0 when every configured role has a leader, 1 when one has none
+(so the command serves as a health probe), 2 when the elections cannot be
+read (NATS unreachable, bucket missing, invalid settings).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from argparse import ArgumentParser
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from celery_nats_leader.config import validate_key
+from celery_nats_leader.errors import ConfigError, ElectionError
+from celery_nats_leader.settings import LeaderSettings
+from django_nats_leader import conf
+from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
+from django_nats_leader.operations import (
+    StatusReport,
+    fetch_report,
+    open_backend,
+    operator_name,
+    read_report,
+    run_once,
+)
+from django_nats_leader.render import status_text
+
+#: ANSI: cursor home, clear screen (``--watch`` on a terminal).
+_CLEAR = "\x1b[H\x1b[2J"
+
+
+class Command(BaseCommand):
+    """Print the leader and live candidates of every role."""
+
+    help = (
+        "Show who leads every election role (term epoch, age, expiry) and every live "
+        "candidate (state, priority, last heartbeat). Exits 1 when a role has no leader."
+    )
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        """Declare the options (see ``--help``)."""
+        parser.add_argument(
+            "--role",
+            action="append",
+            default=[],
+            metavar="ROLE",
+            help="Only this role (repeatable); it must have a leader.",
+        )
+        parser.add_argument(
+            "--json", action="store_true", help="Print JSON (schema in docs/django.md)."
+        )
+        parser.add_argument(
+            "--watch", action="store_true", help="Refresh the view until interrupted."
+        )
+        parser.add_argument(
+            "--interval", type=float, default=2.0, help="Seconds between refreshes (--watch)."
+        )
+        parser.add_argument(
+            "--count",
+            type=int,
+            default=0,
+            help="Stop --watch after this many refreshes (0: until interrupted).",
+        )
+        parser.add_argument("--timeout", type=float, default=5.0, help="Seconds to wait for NATS.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        """Read the status once (or repeatedly with ``--watch``) and print it."""
+        settings = load_settings()
+        expected = conf.expected_roles(settings)
+        only: list[str] = options["role"]
+        try:
+            for role in only:
+                validate_key(role, "--role")
+        except ConfigError as exc:
+            raise CommandError(str(exc), returncode=EXIT_ERROR) from exc
+        if options["watch"]:
+            report = self._watch(settings, expected, only, options)
+        else:
+            try:
+                report = fetch_report(
+                    settings, configured_roles=expected, only=only, timeout=options["timeout"]
+                )
+            except ElectionError as exc:
+                raise CommandError(
+                    f"cannot read the elections of bucket {settings.bucket!r}: {exc}",
+                    returncode=EXIT_ERROR,
+                ) from exc
+            self._show(report, as_json=options["json"])
+        if report is not None and report.leaderless:
+            raise CommandError(
+                f"no leader for role(s): {', '.join(report.leaderless)}", returncode=EXIT_NO_LEADER
+            )
+
+    def _show(self, report: StatusReport, *, as_json: bool, clear: bool = False) -> None:
+        if as_json:
+            self.stdout.write(json.dumps(report.to_dict(), sort_keys=True))
+            return
+        text = status_text(
+            report,
+            ok=self.style.SUCCESS,
+            bad=self.style.ERROR,
+            heading=self.style.MIGRATE_HEADING,
+        )
+        self.stdout.write((_CLEAR if clear else "") + text)
+
+    def _watch(
+        self,
+        settings: LeaderSettings,
+        expected: tuple[str, ...],
+        only: list[str],
+        options: dict[str, Any],
+    ) -> StatusReport | None:
+        """Refresh on one connection; return the last report (None if interrupted first)."""
+        interval = max(0.1, float(options["interval"]))
+        count = int(options["count"])
+        clear = not options["json"] and self.stdout.isatty()
+        last: list[StatusReport] = []
+
+        async def loop() -> None:
+            async with open_backend(
+                settings, timeout=options["timeout"], name=operator_name("election_status --watch")
+            ) as backend:
+                shown = 0
+                while True:
+                    try:
+                        report = await read_report(
+                            backend,
+                            settings,
+                            configured_roles=expected,
+                            only=only,
+                            timeout=options["timeout"],
+                        )
+                    except ElectionError as exc:
+                        self.stderr.write(f"cannot read the elections: {exc}")
+                    else:
+                        last[:] = [report]
+                        self._show(report, as_json=options["json"], clear=clear)
+                    shown += 1
+                    if count and shown >= count:
+                        return
+                    await asyncio.sleep(interval)
+
+        try:
+            run_once(loop)
+        except KeyboardInterrupt:
+            return None  # the operator stopped watching: not a failed probe
+        except ElectionError as exc:
+            raise CommandError(f"cannot watch the elections: {exc}", returncode=EXIT_ERROR) from exc
+        if not last:
+            raise CommandError("no refresh could read the elections", returncode=EXIT_ERROR)
+        return last[0]

@@ -1,0 +1,1 @@
+"""Migrations of django_nats_leader."""

@@ -1,0 +1,221 @@
+"""The status table as text (``election_status``) and as rows (the admin page).
+
+Both show the same thing: one line per role (leader, term epoch, term age,
+time until the key expires) and, under it, every live candidate with its
+state, priority and last heartbeat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from celery_nats_leader.status import RoleStatus
+from django_nats_leader.operations import StatusReport
+
+#: Styles a whole line (Django's ``self.style.SUCCESS`` and friends).
+Painter = Callable[[str], str]
+
+NO_LEADER = "-- none --"
+
+
+def seconds(value: float | None, suffix: str = "") -> str:
+    """``12.3s`` (or ``-`` when unknown)."""
+    if value is None:
+        return "-"
+    return f"{value:.1f}s{suffix}"
+
+
+def value(item: Any) -> str:
+    """A cell: ``-`` for ``None``."""
+    return "-" if item is None else str(item)
+
+
+@dataclass(frozen=True)
+class CandidateRow:
+    """One live candidate of a role, as shown.
+
+    Attributes:
+        id: Instance id.
+        state: ``leader``, ``follower``, ``candidate``, ...
+        priority: Its priority.
+        epoch: Its term's epoch while leading.
+        last_heartbeat: Age of its last confirmed renewal (leader only).
+        is_leader: Whether it leads.
+        host: Where it runs: worker node name (or host) and pid, from its metadata.
+
+    """
+
+    id: str
+    state: str
+    priority: str
+    epoch: str
+    last_heartbeat: str
+    is_leader: bool
+    host: str
+
+
+@dataclass(frozen=True)
+class RoleRow:
+    """One role, as shown.
+
+    Attributes:
+        role: The role.
+        leader: The leader's id, or :data:`NO_LEADER`.
+        has_leader: Whether somebody leads.
+        configured: Whether it must have a leader.
+        epoch: The term's epoch.
+        term_age: How long the term has lasted, per the leader.
+        expires_in: Time until the key expires without renewal, per the leader.
+        host: The leader's host and pid.
+        problem: Why the key could not be read, if so.
+        candidates: The live candidates.
+
+    """
+
+    role: str
+    leader: str
+    has_leader: bool
+    configured: bool
+    epoch: str
+    term_age: str
+    expires_in: str
+    host: str
+    problem: str
+    candidates: tuple[CandidateRow, ...]
+
+
+def _host(meta: dict[str, Any]) -> str:
+    # A Celery worker publishes its node name ("replica1@web-3"): more telling than the host.
+    host = meta.get("worker") or meta.get("hostname")
+    pid = meta.get("pid")
+    if host is None and pid is None:
+        return "-"
+    return f"{host or '?'}:{pid}" if pid is not None else str(host)
+
+
+def role_rows(report: StatusReport) -> list[RoleRow]:
+    """The rows of the table, in role order."""
+    return [_role_row(s, s.role in report.configured_roles) for s in report.roles]
+
+
+def _role_row(status: RoleStatus, configured: bool) -> RoleRow:
+    candidates = tuple(
+        CandidateRow(
+            id=str(cand.get("id")),
+            state=str(cand.get("state", "?")),
+            priority=value(cand.get("priority")),
+            epoch=value(cand.get("epoch")),
+            last_heartbeat=seconds(cand.get("last_heartbeat_age"), " ago"),
+            is_leader=bool(cand.get("is_leader")),
+            host=_host(dict(cand.get("meta") or {})),
+        )
+        for cand in status.candidates
+    )
+    return RoleRow(
+        role=status.role,
+        leader=status.leader_id or NO_LEADER,
+        has_leader=status.has_leader,
+        configured=configured,
+        epoch=value(status.epoch),
+        term_age=seconds(status.term_age),
+        expires_in=seconds(status.expires_in),
+        host=_host(status.leader_meta),
+        problem=status.problem or "",
+        candidates=candidates,
+    )
+
+
+def _table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], paint: Sequence[Painter | None]
+) -> list[str]:
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    out = [line(headers)]
+    for row, painter in zip(rows, paint, strict=True):
+        text = line(row)
+        out.append(painter(text) if painter else text)
+    return out
+
+
+def status_text(
+    report: StatusReport,
+    *,
+    ok: Painter | None = None,
+    bad: Painter | None = None,
+    heading: Painter | None = None,
+) -> str:
+    """The whole table as ``election_status`` prints it.
+
+    Args:
+        report: What to show.
+        ok: Paints a role that has a leader, and leaders among candidates.
+        bad: Paints a configured role that has none.
+        heading: Paints headings.
+
+    """
+    rows = role_rows(report)
+    led = sum(1 for r in rows if r.has_leader)
+    head = heading or (lambda text: text)
+    plural = "s" if len(rows) != 1 else ""
+    summary = (
+        (
+            f"{len(rows)} role{plural}, all led"
+            if led == len(rows)
+            else f"{led} of {len(rows)} roles led"
+        )
+        if rows
+        else "no roles yet"
+    )
+    lines = [head(f"Bucket {report.bucket!r} on {', '.join(report.servers)}: {summary}"), ""]
+    lines += _table(
+        ("ROLE", "LEADER", "EPOCH", "TERM AGE", "EXPIRES IN", "HOST"),
+        [
+            (
+                r.role,
+                r.leader if not r.problem else f"?? {r.problem}",
+                r.epoch,
+                r.term_age,
+                r.expires_in,
+                r.host,
+            )
+            for r in rows
+        ],
+        [ok if r.has_leader else (bad if r.configured else None) for r in rows],
+    )
+    for r in rows:
+        lines.append("")
+        if not r.candidates:
+            lines.append(head(f"{r.role}: no live candidate answered"))
+            continue
+        count = len(r.candidates)
+        lines.append(head(f"{r.role}: {count} live candidate{'s' if count != 1 else ''}"))
+        lines += [
+            "  " + text
+            for text in _table(
+                ("", "ID", "STATE", "PRIORITY", "EPOCH", "LAST HEARTBEAT", "HOST"),
+                [
+                    (
+                        "*" if c.is_leader else "",
+                        c.id,
+                        c.state,
+                        c.priority,
+                        c.epoch,
+                        c.last_heartbeat,
+                        c.host,
+                    )
+                    for c in r.candidates
+                ],
+                [ok if c.is_leader else None for c in r.candidates],
+            )
+        ]
+    if report.leaderless:
+        lines += ["", (bad or head)(f"NO LEADER: {', '.join(report.leaderless)}")]
+    return "\n".join(lines)
+
+
+__all__ = ["NO_LEADER", "CandidateRow", "RoleRow", "role_rows", "seconds", "status_text", "value"]

@@ -1,0 +1,50 @@
+"""kombu's filesystem transport, with atomic writes.
+
+kombu's own ``filesystem`` transport creates the message file, then writes
+it; a consumer polling at that instant moves the still-empty file away and
+dies on ``JSONDecodeError`` ("Unrecoverable error"), which takes the worker
+down. This channel writes the message to a hidden temporary file first and
+renames it into place, so a consumer sees a message whole or not at all.
+Registered as the ``atomicfs://`` transport by ``exampleproj.celery``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from time import monotonic
+from typing import Any
+
+from kombu.transport import TRANSPORT_ALIASES, filesystem
+from kombu.utils.encoding import str_to_bytes
+from kombu.utils.json import dumps
+
+#: The broker URL scheme of this transport.
+SCHEME = "atomicfs"
+
+
+class Channel(filesystem.Channel):  # type: ignore[misc]
+    """A filesystem channel whose ``_put`` is atomic (write, then rename)."""
+
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+        name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
+        final = os.path.join(self.data_folder_out, name)
+        # Consumers only pick up "<stamp>_<uuid>.<queue>.msg"; this name never matches.
+        partial = os.path.join(self.data_folder_out, f".{uuid.uuid4().hex}.partial")
+        try:
+            with open(partial, "wb") as file:
+                file.write(str_to_bytes(dumps(payload)))
+            os.replace(partial, final)
+        except OSError as exc:
+            raise filesystem.ChannelError(f"Cannot add file {final!r} to directory") from exc
+
+
+class Transport(filesystem.Transport):  # type: ignore[misc]
+    """The filesystem transport with :class:`Channel`."""
+
+    Channel = Channel
+
+
+def register() -> None:
+    """Make ``atomicfs://`` broker URLs use this transport (idempotent)."""
+    TRANSPORT_ALIASES.setdefault(SCHEME, f"{__name__}:Transport")

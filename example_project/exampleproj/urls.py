@@ -1,0 +1,8 @@
+"""URLs: the admin, where "Election status" shows who leads."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.urls import path
+
+urlpatterns = [path("admin/", admin.site.urls)]

@@ -1,0 +1,1 @@
+"""The example's app: a singleton periodic job whose every run lands in a fenced ledger."""

@@ -1,0 +1,502 @@
+"""The one-command demo: three replicas, one singleton job, the leader killed, nothing lost.
+
+``scripts/demo`` (``python manage.py demo``) does, in about a minute:
+
+1. finds a JetStream-enabled NATS at ``$NATS_URL`` or starts a private
+   ``nats-server`` (``celery_nats_leader.testing.NatsServer``);
+2. starts three Celery worker replicas, each with an embedded beat running
+   the leader scheduler (``celery -A exampleproj worker -B``);
+3. waits for the singleton job to run a few times and prints
+   ``manage.py election_status``;
+4. kills the replica whose beat leads with SIGKILL (no goodbye, no release),
+   right after a run, and waits while the others take over within the TTL;
+5. prints ``election_status`` again, stops the replicas, and reads the
+   ledger: every tick between the first and the last must have run exactly
+   once. Exit status 0 if so, 1 if a tick ran twice, went missing, or the job
+   stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test.utils import override_settings
+
+from celery_nats_leader.backend.jetstream import JetStreamBackend
+from celery_nats_leader.connection import ConnectOptions, connect
+from celery_nats_leader.errors import ElectionError
+from django_nats_leader.operations import fetch_report, run_once
+from ticks.ledger import Run, Verdict, verify
+
+#: Seconds a replica gets for a warm shutdown before it is killed.
+STOP_TIMEOUT = 20.0
+
+
+class DemoFailed(Exception):
+    """The demo could not show what it promised; the message says why."""
+
+
+@dataclass
+class Replica:
+    """One ``celery worker -B`` process group."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        """The worker's main process id (also its process group id)."""
+        return self.proc.pid
+
+    def owns(self, pid: int) -> bool:
+        """Whether ``pid`` belongs to this replica (its embedded beat, its pool)."""
+        if pid == self.pid:
+            return True
+        try:
+            return os.getpgid(pid) == self.pid
+        except ProcessLookupError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the whole group: a crash, nothing is released."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        """Warm shutdown (leaders hand over), then make sure nothing is left."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(STOP_TIMEOUT)
+        # The embedded beat and pool children live in the same group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def tail(self, lines: int = 25) -> str:
+        """The end of its log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Demo:
+    """Runs the demo and prints what happens.
+
+    Args:
+        write: Prints one line.
+        style: Django's command style (``SUCCESS``, ``ERROR``, ``MIGRATE_HEADING``).
+        replicas: Worker replicas to start.
+        before: Runs of the job to see before the kill.
+        after: Runs of the job to see after the kill.
+        timeout: Seconds for each waiting phase.
+
+    """
+
+    def __init__(
+        self,
+        write: Callable[[str], None],
+        style: Any,
+        *,
+        replicas: int = 3,
+        before: int = 5,
+        after: int = 8,
+        timeout: float = 60.0,
+    ) -> None:
+        self.write = write
+        self.style = style
+        self.replica_count = replicas
+        self.before = before
+        self.after = after
+        self.timeout = timeout
+        self.interval = float(settings.TICK_SECONDS)
+        self.ttl = float(settings.NATS_LEADER["TTL"])
+        self.data_dir = Path(settings.DATA_DIR)
+        self.bucket = f"demo_{uuid.uuid4().hex[:8]}"
+        self.url = ""
+        self.own_server = True
+        self.victim_beat_id: str | None = None
+        self.logs = self.data_dir / "logs"
+        self.replicas: list[Replica] = []
+
+    # -------------------------------------------------------------- phases
+
+    def run(self) -> bool:
+        """Run every phase; ``True`` when the ledger shows one run per tick."""
+        self.write(
+            self.style.MIGRATE_HEADING(
+                f"celery-nats-leader demo: {self.replica_count} replicas, a singleton job every "
+                f"{self.interval:g}s, election TTL {self.ttl:g}s"
+            )
+        )
+        with self._nats() as url:
+            self.url = url
+            with override_settings(NATS_LEADER=self._nats_leader()):
+                try:
+                    self._prepare()
+                    self._start_replicas()
+                    return self._scenario()
+                finally:
+                    self._stop_replicas()
+                    self._drop_buckets()
+
+    def _scenario(self) -> bool:
+        self.write(f"waiting for the job to run {self.before} times ...")
+        self._wait(lambda: self._count() >= self.before, "the first runs of the job")
+        self._status("election status (all replicas up)")
+        victim, roles = self._beat_leader()
+        # Kill right after a run, not in the middle of one: the next tick is
+        # a whole interval away.
+        seen = self._count()
+        self._wait(lambda: self._count() > seen, "the next run")
+        last_slot = self._last_slot()
+        victim.kill()
+        killed_at = time.monotonic()
+        self.write(
+            self.style.WARNING(
+                f"killed {victim.name} (pid {victim.pid}) with SIGKILL: it led "
+                f"{' and '.join(roles)}; its keys expire within the TTL ({self.ttl:g}s)"
+            )
+        )
+        self._wait(lambda: self._count(after=last_slot) >= 1, "a run after the kill")
+        paused = time.monotonic() - killed_at
+        self.write(f"the job ran again {paused:.1f}s after the kill")
+        self._wait(
+            lambda: self._count(after=last_slot) >= self.after and self._beat_moved(victim),
+            f"{self.after} runs after the kill",
+        )
+        self._status("election status (after the kill)")
+        self._stop_replicas()
+        verdict = self._ledger(last_slot)
+        return self._conclude(verdict, last_slot, paused)
+
+    # ------------------------------------------------------------- set-up
+
+    @contextlib.contextmanager
+    def _nats(self) -> Iterator[str]:
+        configured = settings.NATS_LEADER["SERVERS"]
+        url = configured if isinstance(configured, str) else configured[0]
+        url = url.split(",")[0].strip()
+        # The probe's connection errors are expected when nothing listens.
+        quiet = logging.getLogger("celery_nats_leader.connection")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            ready = run_once(lambda: _jetstream_ready(url))
+        finally:
+            quiet.setLevel(level)
+        if ready:
+            self.write(f"nats-server: using {url}")
+            self.own_server = False
+            yield url
+            return
+        from celery_nats_leader.testing import NatsServer
+
+        self.own_server = True
+        with NatsServer() as server:
+            self.write(f"nats-server: none with JetStream at {url}; started one at {server.url}")
+            yield server.url
+
+    def _nats_leader(self) -> dict[str, Any]:
+        return {**settings.NATS_LEADER, "SERVERS": self.url, "BUCKET": self.bucket}
+
+    def _prepare(self) -> None:
+        from django_nats_leader.models import FenceEpoch
+        from ticks.models import Tick
+
+        # Leftovers of an earlier run must not be consumed or counted.
+        broker = settings.CELERY_BROKER_URL
+        if broker.startswith(("atomicfs", "filesystem")):
+            for folder in ("broker", "broker-processed", "broker-control"):
+                shutil.rmtree(self.data_dir / folder, ignore_errors=True)
+                (self.data_dir / folder).mkdir(parents=True)
+        call_command("migrate", verbosity=0, interactive=False)
+        Tick.objects.all().delete()
+        # A fresh bucket starts its epochs at 1 again: reset the fence too.
+        FenceEpoch.objects.all().delete()
+        self.logs.mkdir(parents=True, exist_ok=True)
+        scheme = broker.split("://")[0]
+        kind = "kombu filesystem transport (atomic writes)" if scheme == "atomicfs" else scheme
+        self.write(f"broker: {kind}; database: {settings.DATABASES['default']['NAME']}")
+        self.write(f"logs: {self.logs}")
+
+    def _start_replicas(self) -> None:
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": os.environ.get(
+                "DJANGO_SETTINGS_MODULE", "exampleproj.settings"
+            ),
+            "EXAMPLE_DATA_DIR": str(self.data_dir),
+            "NATS_URL": self.url,
+            "EXAMPLE_NATS_BUCKET": self.bucket,
+            "EXAMPLE_TTL": f"{self.ttl:g}",
+            "EXAMPLE_TICK_SECONDS": f"{self.interval:g}",
+            "PYTHONUNBUFFERED": "1",
+        }
+        base_dir = Path(settings.BASE_DIR)
+        for i in range(1, self.replica_count + 1):
+            if i == 2:
+                # The first replica takes both roles before the others start,
+                # so that killing it shows both elections failing over.
+                self._wait(self._first_leads, "replica1 to lead beat and default")
+            name = f"replica{i}"
+            schedule = self.data_dir / f"beat-{name}"
+            for leftover in self.data_dir.glob(f"beat-{name}*"):
+                leftover.unlink()
+            log_path = self.logs / f"{name}.log"
+            command = [
+                sys.executable, "-m", "celery", "-A", "exampleproj", "worker", "-B",
+                "-n", f"{name}@%h", "--pool", "threads", "--concurrency", "2",
+                "--loglevel", "INFO", "--schedule", str(schedule),
+                "--without-mingle", "--without-gossip", "--without-heartbeat",
+            ]  # fmt: skip
+            with log_path.open("wb") as log:
+                proc = subprocess.Popen(
+                    command,
+                    cwd=base_dir,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: killed as a unit
+                )
+            self.replicas.append(Replica(name, proc, log_path))
+            self.write(f"started {name} (pid {proc.pid}): celery worker -B")
+
+    def _first_leads(self) -> bool:
+        first = self.replicas[0]
+        try:
+            roles = self._report()
+        except ElectionError:  # the bucket is created by the first campaign
+            return False
+        return (
+            all(
+                isinstance(status.leader_meta.get("pid"), int)
+                and first.owns(status.leader_meta["pid"])
+                for status in roles.values()
+            )
+            and len(roles) == 2
+        )
+
+    def _stop_replicas(self) -> None:
+        alive = [r for r in self.replicas if r.proc.poll() is None]
+        if alive:
+            self.write(f"stopping {', '.join(r.name for r in alive)} (warm shutdown) ...")
+        for replica in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(replica.pid, signal.SIGTERM)
+        for replica in self.replicas:
+            replica.stop()
+
+    def _drop_buckets(self) -> None:
+        if self.own_server or not self.url:
+            return  # the private server's store goes away with it
+        run_once(lambda: _delete_buckets(self.url, [self.bucket, f"{self.bucket}_beat"]))
+
+    # ------------------------------------------------------------ watching
+
+    def _count(self, after: datetime | None = None) -> int:
+        from ticks.models import Tick
+
+        runs = Tick.objects.all()
+        if after is not None:
+            runs = runs.filter(slot__gt=after)
+        return runs.count()
+
+    def _last_slot(self) -> datetime | None:
+        from ticks.models import Tick
+
+        row = Tick.objects.exclude(slot=None).order_by("-slot").first()
+        return None if row is None else row.slot
+
+    def _wait(self, predicate: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not predicate():
+            for replica in self.replicas:
+                if replica.proc.poll() is not None and replica.proc.returncode != -signal.SIGKILL:
+                    raise DemoFailed(
+                        f"{replica.name} exited with {replica.proc.returncode}:\n{replica.tail()}"
+                    )
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- {r.name}\n{r.tail()}" for r in self.replicas)
+                raise DemoFailed(f"gave up after {self.timeout:g}s waiting for {what}\n{tails}")
+            time.sleep(0.1)  # polling a database table: there is no event to wait on
+
+    def _status(self, title: str) -> None:
+        self.write("")
+        self.write(self.style.MIGRATE_HEADING(f"$ manage.py election_status   # {title}"))
+        try:
+            call_command("election_status", stdout=_Lines(self.write), stderr=_Lines(self.write))
+        except CommandError as exc:
+            self.write(self.style.ERROR(f"(exit {exc.returncode}: {exc})"))
+        self.write("")
+
+    def _report(self) -> dict[str, Any]:
+        report = fetch_report(
+            _settings(), configured_roles=("default", "beat"), only=("default", "beat")
+        )
+        return {status.role: status for status in report.roles}
+
+    def _beat_leader(self) -> tuple[Replica, list[str]]:
+        roles = self._report()
+        beat = roles["beat"]
+        pid = beat.leader_meta.get("pid")
+        victim = next((r for r in self.replicas if isinstance(pid, int) and r.owns(pid)), None)
+        if victim is None:
+            raise DemoFailed(f"cannot tell which replica runs the beat leader {beat.leader_id}")
+        led = [
+            role
+            for role, status in sorted(roles.items())
+            if isinstance(status.leader_meta.get("pid"), int)
+            and victim.owns(status.leader_meta["pid"])
+        ]
+        self.victim_beat_id = beat.leader_id
+        return victim, led
+
+    def _beat_moved(self, victim: Replica) -> bool:
+        try:
+            beat = self._report()["beat"]
+        except ElectionError:
+            return False
+        return beat.has_leader and beat.leader_id != self.victim_beat_id
+
+    # -------------------------------------------------------------- verdict
+
+    def _ledger(self, last_slot: datetime | None) -> Verdict:
+        from ticks.models import Tick
+
+        rows = list(Tick.objects.order_by("slot", "id"))
+        self.write(self.style.MIGRATE_HEADING("the ledger (one row per run of the job)"))
+        self.write("  TICK          RUN  RAN ON                         BEAT EPOCH  LEADER EPOCH")
+        marked = False
+        for row in rows:
+            if (
+                not marked
+                and last_slot is not None
+                and row.slot is not None
+                and row.slot > last_slot
+            ):
+                self.write(self.style.WARNING("  ---------- leader killed here ----------"))
+                marked = True
+            slot = row.slot.strftime("%H:%M:%S.%f")[:-3] if row.slot else "-"
+            self.write(
+                f"  {slot:<13} {row.run or '-':>3}  {row.worker:<30} "
+                f"{row.dispatch_epoch or '-':>10}  {row.leader_epoch:>12}"
+            )
+        runs = [Run(r.slot, r.worker, r.dispatch_epoch, r.leader_epoch) for r in rows]
+        return verify(runs, self.interval)
+
+    def _conclude(self, verdict: Verdict, last_slot: datetime | None, paused: float) -> bool:
+        after = self._count(after=last_slot)
+        problems = []
+        if verdict.duplicates:
+            twice = ", ".join(f"{s:%H:%M:%S} x{n}" for s, n in verdict.duplicates.items())
+            problems.append(f"ran more than once for tick(s) {twice}")
+        if verdict.missing:
+            problems.append(
+                f"never ran for tick(s) {', '.join(f'{s:%H:%M:%S}' for s in verdict.missing)}"
+            )
+        if verdict.unslotted:
+            problems.append(f"{verdict.unslotted} run(s) without a tick identity")
+        if after < self.after:
+            problems.append(f"only {after} run(s) after the kill: the job stopped")
+        if len(verdict.dispatch_epochs) < 2:
+            problems.append("the beat leader never changed")
+        self.write("")
+        if problems:
+            for problem in problems:
+                self.write(self.style.ERROR(f"FAILED: the singleton job {problem}"))
+            return False
+        self.write(
+            self.style.SUCCESS(
+                f"OK: {verdict.ticks} ticks, each run exactly once, none missing "
+                f"({verdict.ticks - after} before the kill, {after} after). Beat terms "
+                f"{' -> '.join(map(str, verdict.dispatch_epochs))}; the job paused "
+                f"{paused:.1f}s while the dead leader's TTL ran out, then caught up."
+            )
+        )
+        return True
+
+
+class _Lines:
+    """A file-like object that forwards each written line to ``write``."""
+
+    def __init__(self, write: Callable[[str], None]) -> None:
+        self._write = write
+
+    def write(self, text: str) -> int:
+        for line in text.rstrip("\n").split("\n"):
+            self._write(line)
+        return len(text)
+
+    def flush(self) -> None:
+        """Nothing buffered."""
+
+    def isatty(self) -> bool:
+        """Never a terminal (no screen clearing)."""
+        return False
+
+
+def _settings() -> Any:
+    from django_nats_leader.conf import leader_settings
+
+    return leader_settings()
+
+
+async def _jetstream_ready(url: str) -> bool:
+    try:
+        nc = await connect(ConnectOptions(servers=(url,)), timeout=1.5, name="demo-probe")
+    except ElectionError:
+        return False
+    try:
+        reply = await JetStreamBackend(nc).request("$JS.API.INFO", b"", timeout=1.5)
+        return "error" not in json.loads(reply)
+    except (ElectionError, ValueError):
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
+async def _delete_buckets(url: str, buckets: list[str]) -> None:
+    nc = await connect(ConnectOptions(servers=(url,)), timeout=2, name="demo-cleanup")
+    try:
+        backend = JetStreamBackend(nc)
+        for bucket in buckets:
+            with contextlib.suppress(ElectionError):
+                await backend.request(f"$JS.API.STREAM.DELETE.KV_{bucket}", b"", timeout=2)
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
+def main(write: Callable[[str], None], style: Any, **options: Any) -> bool:
+    """Run the demo (see :class:`Demo`); ``True`` on success."""
+    demo = Demo(write, style, **options)
+    try:
+        return demo.run()
+    except DemoFailed as exc:
+        write(style.ERROR(f"FAILED: {exc}"))
+        return False
