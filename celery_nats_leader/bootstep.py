@@ -25,7 +25,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from celery_nats_leader.errors import ElectionError
+from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.tasks import install_routing
 from celery_nats_leader.worker_service import LeaderService
@@ -60,6 +60,9 @@ class NatsLeaderBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Cele
         """Connect and campaign (see :meth:`LeaderService.start`)."""
         try:
             self.service.start()
+        except ConfigError as exc:
+            logger.critical("nats-leader: cannot start leader election: %s", exc)
+            raise
         except ElectionError as exc:
             logger.critical(
                 "nats-leader: cannot start leader election (nats_leader_required=True): %s",

@@ -53,11 +53,17 @@ def _settings(ctx: click.Context) -> LeaderSettings:
         raise  # pragma: no cover - ctx.exit raises
 
 
-async def _read(settings: LeaderSettings, roles: Sequence[str], timeout: float) -> list[RoleStatus]:
+async def _read(
+    settings: LeaderSettings, roles: Sequence[str], timeout: float, window: float
+) -> list[RoleStatus]:
     nc = await connect(settings.connection, timeout=timeout, name="celery-nats-leader-cli")
     try:
         return await read_status(
-            JetStreamBackend(nc), settings.bucket, roles=roles, timeout=timeout
+            JetStreamBackend(nc),
+            settings.bucket,
+            roles=roles,
+            timeout=timeout,
+            roster_window=window,
         )
     finally:
         await nc.close()
@@ -124,8 +130,20 @@ def nats_leader() -> None:
     multiple=True,
     help="Also require a leader for this role (repeatable); default: nats_leader_roles.",
 )
+@click.option(
+    "--window",
+    default=c.DEFAULT_ROSTER_WINDOW_SECONDS,
+    show_default=True,
+    help="Seconds to collect the live candidates' own answers (term age, lease).",
+)
 @click.pass_context
-def status(ctx: click.Context, as_json: bool, timeout: float, extra_roles: tuple[str, ...]) -> None:
+def status(
+    ctx: click.Context,
+    as_json: bool,
+    timeout: float,
+    extra_roles: tuple[str, ...],
+    window: float,
+) -> None:
     """Print every role of the bucket with its leader and term.
 
     Exits 1 when a configured role (nats_leader_roles, plus --role) has no leader.
@@ -133,7 +151,7 @@ def status(ctx: click.Context, as_json: bool, timeout: float, extra_roles: tuple
     settings = _settings(ctx)
     configured = list(dict.fromkeys([*settings.roles, *extra_roles]))
     try:
-        statuses = asyncio.run(_read(settings, configured, timeout))
+        statuses = asyncio.run(_read(settings, configured, timeout, window))
     except ElectionError as exc:
         click.echo(
             f"Error: cannot read the elections of bucket {settings.bucket!r}: {exc}", err=True

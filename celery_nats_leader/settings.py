@@ -15,7 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_nats_leader.config import ElectionConfig, Strategy, default_instance_id, validate_key
+from celery_nats_leader.config import (
+    ElectionConfig,
+    Strategy,
+    default_instance_id,
+    validate_bucket,
+    validate_key,
+)
 from celery_nats_leader.connection import ConnectOptions
 from celery_nats_leader.constants import DEFAULT_BUCKET, DEFAULT_SERVERS, DEFAULT_TTL_SECONDS
 from celery_nats_leader.errors import ConfigError
@@ -93,6 +99,21 @@ class LeaderSettings:
     beat_role: str = "beat"
     """Role whose leader runs the beat scheduler."""
 
+    beat_state_bucket: str = ""
+    """KV bucket holding the beat schedule's state (each entry's last tick and
+    run count); empty = ``<bucket>_beat``. It has no ``max_age``: the state
+    must outlive every scheduler."""
+
+    beat_max_catch_up: int = 100
+    """Overdue ticks of one entry that a scheduler dispatches one by one after
+    a gap (a failover, a restart of every replica). When more are overdue, all
+    but the latest are skipped (logged and counted in the state), as Celery's
+    own scheduler does after downtime. ``0`` = always coalesce."""
+
+    beat_follower_interval: float = 1.0
+    """Longest a follower's beat tick sleeps before it looks again, in seconds
+    (a promotion wakes it at once). Capped by ``beat_max_loop_interval``."""
+
     strategy: Strategy = "kv"
     """Election strategy: ``kv`` (default) or ``allcall``."""
 
@@ -110,6 +131,27 @@ class LeaderSettings:
             validate_key(role, "roles")
         object.__setattr__(self, "roles", roles)
         validate_key(self.beat_role, "beat_role")
+        if not self.beat_state_bucket:
+            object.__setattr__(self, "beat_state_bucket", f"{self.bucket}_beat")
+        validate_bucket(self.beat_state_bucket)
+        if (
+            isinstance(self.beat_max_catch_up, bool)
+            or not isinstance(self.beat_max_catch_up, int)
+            or self.beat_max_catch_up < 0
+        ):
+            raise ConfigError(
+                f"beat_max_catch_up={self.beat_max_catch_up!r} must be an integer >= 0 "
+                "(overdue ticks dispatched one by one after a gap)"
+            )
+        if (
+            isinstance(self.beat_follower_interval, bool)
+            or not isinstance(self.beat_follower_interval, (int, float))
+            or not self.beat_follower_interval > 0
+        ):
+            raise ConfigError(
+                f"beat_follower_interval={self.beat_follower_interval!r} must be a positive "
+                "number of seconds"
+            )
         if not self.instance_id:
             object.__setattr__(self, "instance_id", default_instance_id())
         if self.metrics_port is not None and not (0 <= int(self.metrics_port) <= 65535):

@@ -17,8 +17,9 @@ A leader-only task runs on the worker that currently leads its role::
 What it does:
 
 * **Routing.** Calls are sent to the role's leader queue
-  (``<nats_leader_queue_prefix><role>``, default ``nats_leader.<role>``),
-  which a worker consumes only while it leads the role.
+  (``<nats_leader_queue_prefix><role>``, default ``nats_leader.<role>``) by
+  :func:`leader_router`, which :func:`~celery_nats_leader.install` appends to
+  ``task_routes``. A worker consumes that queue only while it leads the role.
 * **Execution-time check.** Before the body runs, the task checks that its
   worker leads the role *now* (in a prefork child too), and with
   ``validate=True`` also confirms the fencing token against KV. The token is
@@ -62,7 +63,14 @@ from celery_nats_leader.errors import ConfigError, LeadershipLostError, NotLeade
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 
-__all__ = ["LeaderTask", "OnFollower", "leader_only", "leader_tasks", "upgrade_tasks"]
+__all__ = [
+    "LeaderTask",
+    "OnFollower",
+    "leader_only",
+    "leader_router",
+    "leader_tasks",
+    "upgrade_tasks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -182,37 +190,35 @@ def leader_tasks(app: Any) -> list[tuple[Any, str]]:
     return found
 
 
-class _LeaderQueue:
-    """Class attribute ``queue`` of leader-only tasks: the role's leader queue.
+def leader_router(
+    name: str, args: Any, kwargs: Any, options: Any, task: Any = None, **rest: Any
+) -> dict[str, str] | None:
+    """Celery router (``task_routes``) sending leader-only tasks to their leader queue.
 
-    Resolved on first use from the app's configuration, so that defining a
-    task never reads the configuration.
+    :func:`~celery_nats_leader.install` appends it to ``task_routes``, after
+    your own routes: a route of yours for a leader-only task wins, and so does
+    ``apply_async(queue=...)``. Add it yourself to place it elsewhere.
+
+    Returns:
+        ``{"queue": "<queue_prefix><role>"}`` for a leader-only task, else ``None``.
+
     """
-
-    def __get__(self, task: Any, owner: Any = None) -> Any:
-        if task is None:
-            return self
-        return _binding(task).queue
-
-
-_LEADER_QUEUE = _LeaderQueue()
+    if task is None or leader_options(task) is None:
+        return None
+    return {"queue": _binding(task).queue}
 
 
 def upgrade_task(task: Any) -> None:
-    """Give a leader-only task its delivery settings (idempotent).
+    """Give a leader-only task its delivery settings (idempotent; done by the worker).
 
     ``acks_late`` and ``reject_on_worker_lost`` are forced: the requeue
     policy relies on the message staying unacknowledged until the task ran.
-    ``queue`` is set to the leader queue unless the task names one.
     """
     if leader_options(task) is None:
         return
     cls = type(task)
     cls.acks_late = True
     cls.reject_on_worker_lost = True
-    if getattr(cls, "queue", None) is None:
-        cls.queue = _LEADER_QUEUE
-    cls._exec_options = None  # Celery caches the routing options
 
 
 def upgrade_tasks(app: Any) -> None:
@@ -221,22 +227,36 @@ def upgrade_tasks(app: Any) -> None:
         upgrade_task(task)
 
 
-def install_routing(app: Any) -> None:
-    """Route ``app``'s ``@leader_only`` tasks to their leader queues.
+def _add_router(app: Any) -> None:
+    routes = app.conf.task_routes
+    if routes is None:
+        routes = ()
+    elif not isinstance(routes, (list, tuple)):
+        routes = (routes,)
+    if leader_router not in routes:
+        app.conf.task_routes = (*routes, leader_router)
+        # Routes are compiled on first use: recompile if that happened already.
+        amqp = app.amqp
+        amqp.flush_routes()
+        amqp.__dict__.pop("router", None)
 
-    Upgrades the tasks when the app is finalized (and now, if it already
-    is). :class:`LeaderTask` subclasses need none of this.
+
+def install_routing(app: Any) -> None:
+    """Route ``app``'s leader-only tasks to their leader queues (idempotent).
+
+    Appends :func:`leader_router` to ``task_routes`` whenever the app's
+    configuration is loaded (now, if it is already).
     """
     if getattr(app, "_nats_leader_routing", False):
         return
     app._nats_leader_routing = True
 
-    def on_finalized(sender: Any = None, **kwargs: Any) -> None:
-        upgrade_tasks(app)
+    def on_configured(sender: Any = None, **kwargs: Any) -> None:
+        _add_router(app)
 
-    app.on_after_finalize.connect(on_finalized, weak=False)
-    if app.finalized:
-        upgrade_tasks(app)
+    app.on_after_configure.connect(on_configured, weak=False)
+    if app.configured:
+        _add_router(app)
 
 
 # ------------------------------------------------------ execution check
@@ -278,7 +298,8 @@ def _refuse(task: Any, binding: _Binding, reason: str) -> NoReturn:
         raise NotLeaderError(f"{task.name}[{request.id}]: {reason} (role {role!r})")
     if task.acks_late and _delivered_from(request, binding.queue):
         # Still unacknowledged: hand the very message back to the leader queue.
-        logger.info("%s[%s] requeued: %s (role %r)", task.name, request.id, reason, role)
+        # (Celery itself logs the rejection, with this reason, at WARNING.)
+        logger.debug("%s[%s] requeued: %s (role %r)", task.name, request.id, reason, role)
         raise Reject(f"{reason} (role {role!r})", requeue=True)
     # The message came from another queue (rejecting it would put it back
     # there, forever): forward a copy with the same id to the leader queue,
@@ -373,9 +394,12 @@ def leader_only(
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             task = get_current_task()
+            # Checked only when a worker executes *this* task: not for direct
+            # or eager calls, nor when another task calls this function. The
+            # mark survives other functools.wraps decorators stacked above.
             if (
                 task is None
-                or getattr(task.run, "__func__", task.run) is not wrapper
+                or getattr(task.run, _MARK, None) is not options
                 or not _worker_execution(task)
             ):
                 return f(*args, **kwargs)
@@ -416,7 +440,6 @@ class LeaderTask(Task):  # type: ignore[misc]  # Celery is untyped
 
     acks_late = True
     reject_on_worker_lost = True
-    queue = _LEADER_QUEUE
 
     @classmethod
     def on_bound(cls, app: Any) -> None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from celery_nats_leader import worker_state
 from celery_nats_leader.election import DemoteReason
 from celery_nats_leader.elector import Elector, RoleHandle
-from celery_nats_leader.errors import ElectionError
+from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.observer import ElectionObserver
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.signals import leader_demoted, leader_promoted
@@ -181,13 +181,20 @@ class LeaderService:
             NatsUnavailableError: NATS unreachable and ``required`` is set.
             ElectionError: A permanent problem (missing bucket, ...) and
                 ``required`` is set.
+            ConfigError: The metrics port cannot be served.
 
         """
         settings = self.settings
         if self.metrics is not None and settings.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(
-                int(settings.metrics_port), settings.metrics_address
-            )
+            port = int(settings.metrics_port)
+            try:
+                self.metrics_port = self.metrics.serve(port, settings.metrics_address)
+            except OSError as exc:
+                raise ConfigError(
+                    f"nats_leader_metrics_port={port}: cannot serve metrics on "
+                    f"{settings.metrics_address}:{port} ({exc}); pick a free port per worker "
+                    "or unset it"
+                ) from exc
         logger.info(
             "nats-leader: instance %s campaigns for %s in bucket %r on %s (leader queues: %s)",
             self.instance_id,
@@ -201,7 +208,10 @@ class LeaderService:
         # the background and logs a warning for every failed attempt, while
         # the worker serves ordinary tasks.
         self.elector.start(timeout=settings.start_timeout, require_connection=settings.required)
-        self._refresher = self.elector.loop.submit(self._refresh_forever())
+        if self._handles:
+            self._refresher = self.elector.loop.submit(self._refresh_forever())
+        else:
+            logger.warning("nats-leader: nats_leader_roles is empty; this worker leads nothing")
 
     def stop(self) -> None:
         """Stop campaigning; a leader releases its roles first. Idempotent.

@@ -108,6 +108,7 @@ class SharedLeadership:
         # An anonymous MAP_SHARED mapping: children forked after this point
         # see the parent's writes (and the parent sees their counters).
         self._mm = mmap.mmap(-1, max(1, len(roles)) * _SLOT_SIZE)
+        self.clear_all()  # valid, checksummed "not leading" slots
 
     def index(self, role: str) -> int | None:
         """The slot of ``role``, or ``None`` if the role is not hosted here."""
@@ -309,7 +310,9 @@ class WorkerLeadership:
             token = self.local.current_token(role)
         else:
             snapshot = self.shared.read(role)
-            token = snapshot.token_at(now) if snapshot is not None else None
+            # The lease is judged on a clock read after the slot: a deadline
+            # that passed while we read does not count.
+            token = snapshot.token_at(time.monotonic()) if snapshot is not None else None
         if token is None:
             if self.shared.index(role) is None:
                 return LeadershipCheck(

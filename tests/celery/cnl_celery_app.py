@@ -1,0 +1,183 @@
+"""The Celery app the test workers run (``celery -A cnl_celery_app worker``).
+
+Configured by the JSON in ``$CNL_CONFIG`` (see ``conftest.Cluster.config``);
+the tests build a client app from the same configuration with
+:func:`make_app`. Every leader-only task records its attempt in the ledger and
+then commits through the ledger's fenced, idempotent commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from celery.signals import task_postrun, task_prerun, task_received
+from cnl_celery_ledger import Ledger
+
+from celery_nats_leader import (
+    LeadershipLostError,
+    LeaderTask,
+    install,
+    leader_demoted,
+    leader_only,
+    leader_promoted,
+)
+
+#: The worker's main process (module imported before the pool forks).
+MAIN_PID = os.getpid()
+
+
+def wait_for_file(path: str, timeout: float = 60.0) -> None:
+    """Block until the test creates ``path`` (a cross-process barrier)."""
+    deadline = time.monotonic() + timeout
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {path} never opened")
+        time.sleep(0.01)
+
+
+def make_app(config: dict[str, Any]) -> Celery:
+    app = Celery("cnl", set_as_current=False)
+    app.conf.update(
+        broker_url=config["broker_url"],
+        broker_transport_options=config.get("broker_transport_options", {}),
+        broker_connection_retry_on_startup=True,
+        task_default_queue=config["default_queue"],
+        task_ignore_result=True,
+        result_backend=None,
+        worker_prefetch_multiplier=config.get("prefetch_multiplier", 1),
+        worker_enable_remote_control=False,
+        worker_send_task_events=False,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        nats_leader_servers=config["nats_url"],
+        nats_leader_bucket=config["bucket"],
+        nats_leader_roles=config["roles"],
+        nats_leader_ttl=config["ttl"],
+        nats_leader_queue_prefix=config["queue_prefix"],
+        nats_leader_required=config.get("required", False),
+        nats_leader_metrics_port=config.get("metrics_port"),
+        nats_leader_metrics_address="127.0.0.1",
+        nats_leader_start_timeout=config.get("start_timeout", 10.0),
+        **{f"nats_leader_{k}": v for k, v in config.get("extra", {}).items()},
+    )
+    install(app)
+    ledger = Ledger(config["ledger"])
+    role = config["roles"][0]
+
+    def body(task: Any, seq: int, work: float, token: Any, hold: str | None = None) -> str:
+        request = task.request
+        common = {
+            "seq": seq,
+            "task_id": request.id,
+            "name": task.name,
+            "main_pid": MAIN_PID,
+            "epoch": token.epoch,
+            "checked_at": request.leader_checked_at,
+        }
+        ledger.attempt(**common)
+        if work:
+            time.sleep(work)  # the task's "work"
+        if hold:
+            # A test barrier between the run and its commit.
+            wait_for_file(hold)
+        outcome = ledger.commit(**common)
+        if outcome == "stale":
+            # The fenced resource saw a newer term: hand the task back.
+            raise LeadershipLostError(f"epoch {token.epoch} is stale")
+        return outcome
+
+    @app.task(shared=False, bind=True, name="cnl.record")
+    @leader_only(role=role)
+    def record(self: Any, seq: int, work: float = 0.0, leader_token: Any = None, **kw: Any) -> str:
+        return body(self, seq, work, leader_token, kw.get("hold"))
+
+    @app.task(shared=False, bind=True, name="cnl.record_validated")
+    @leader_only(role=role, validate=True)
+    def record_validated(
+        self: Any, seq: int, work: float = 0.0, leader_token: Any = None, **kw: Any
+    ) -> str:
+        return body(self, seq, work, leader_token, kw.get("hold"))
+
+    @app.task(shared=False, bind=True, name="cnl.record_class", base=LeaderTask, leader_role=role)
+    def record_class(self: Any, seq: int, work: float = 0.0, **kw: Any) -> str:
+        # LeaderTask without a leader_token parameter: the token is in the request.
+        return body(self, seq, work, self.request.leader_token, kw.get("hold"))
+
+    @app.task(shared=False, bind=True, name="cnl.skip")
+    @leader_only(role=role, on_follower="skip")
+    def skip(self: Any, seq: int, work: float = 0.0, leader_token: Any = None, **kw: Any) -> str:
+        return body(self, seq, work, leader_token, kw.get("hold"))
+
+    @app.task(shared=False, bind=True, name="cnl.raise")
+    @leader_only(role=role, on_follower="raise")
+    def raise_(self: Any, seq: int, work: float = 0.0, leader_token: Any = None, **kw: Any) -> str:
+        return body(self, seq, work, leader_token, kw.get("hold"))
+
+    @app.task(shared=False, name="cnl.bare")
+    @leader_only
+    def bare(seq: int) -> int:
+        # Bare decorator, unbound task: role = first of nats_leader_roles.
+        ledger.event("bare", name="cnl.bare", main_pid=MAIN_PID, info=str(seq))
+        return seq
+
+    @app.task(shared=False, bind=True, name="cnl.plain")
+    def plain(self: Any, seq: int) -> int:
+        ledger.event(
+            "plain", name="cnl.plain", task_id=self.request.id, main_pid=MAIN_PID, info=str(seq)
+        )
+        return seq
+
+    app.cnl_ledger = ledger
+    return app
+
+
+def _connect_recorders(ledger: Ledger) -> None:
+    """Worker side: write signals and task outcomes into the ledger."""
+
+    @leader_promoted.connect(weak=False)
+    def on_promoted(sender: str, token: Any, **kwargs: Any) -> None:
+        ledger.term("promoted", sender, MAIN_PID, token.epoch, None)
+
+    @leader_demoted.connect(weak=False)
+    def on_demoted(sender: str, reason: Any, **kwargs: Any) -> None:
+        ledger.term("demoted", sender, MAIN_PID, None, str(reason.value))
+
+    @task_postrun.connect(weak=False)
+    def on_postrun(task: Any, task_id: str, state: str | None = None, **kwargs: Any) -> None:
+        token = getattr(task.request, "leader_token", None)
+        ledger.event(
+            "postrun",
+            name=task.name,
+            task_id=task_id,
+            main_pid=MAIN_PID,
+            state=str(state),
+            info="" if token is None else str(token.epoch),
+        )
+
+    @task_received.connect(weak=False)
+    def on_received(request: Any, **kwargs: Any) -> None:
+        # In the worker's main process, when a message becomes a reserved request.
+        ledger.event("received", name=request.name, task_id=request.id, main_pid=MAIN_PID)
+
+    @task_prerun.connect(weak=False)
+    def on_prerun(
+        task: Any, task_id: str, kwargs: dict[str, Any] | None = None, **rest: Any
+    ) -> None:
+        # A test barrier: hold the task *before* its leadership check until
+        # the test creates the file (used to freeze the parent in between).
+        barrier = (kwargs or {}).get("barrier")
+        if not barrier:
+            return
+        ledger.event("at_barrier", name=task.name, task_id=task_id, main_pid=MAIN_PID)
+        wait_for_file(barrier)
+
+
+if "CNL_CONFIG" in os.environ:
+    _config = json.loads(os.environ["CNL_CONFIG"])
+    app = make_app(_config)
+    _connect_recorders(app.cnl_ledger)

@@ -1,0 +1,179 @@
+"""Fast tests of the Celery layer that need no worker, broker or NATS server."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_nats_leader import LeaderTask, install, leader_only, worker_state
+from celery_nats_leader.errors import ConfigError
+from celery_nats_leader.tasks import leader_options, upgrade_tasks
+from celery_nats_leader.worker_state import SharedLeadership
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    app = Celery("units", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        nats_leader_roles=["alpha", "beta"],
+        nats_leader_queue_prefix="lq.",
+        # A route of the user's own: it wins over the leader router.
+        task_routes={"units.routed_by_hand": {"queue": "elsewhere"}},
+    )
+    install(app)
+    yield app
+    app.close()
+
+
+def queue_of(app: Celery, task: Any, **options: Any) -> str:
+    route = app.amqp.router.route(options, task.name, (), {}, task)
+    return str(route["queue"].name)
+
+
+def test_routing_and_delivery_settings(app: Celery) -> None:
+    @app.task(shared=False)
+    @leader_only
+    def bare() -> None: ...
+
+    @app.task(shared=False)
+    @leader_only(role="beta", validate=True, on_follower="skip")
+    def with_args() -> None: ...
+
+    @app.task(shared=False, base=LeaderTask, leader_role="beta")
+    def class_based() -> None: ...
+
+    @app.task(shared=False, name="units.routed_by_hand")
+    @leader_only(role="beta")
+    def routed_by_hand() -> None: ...
+
+    @app.task(shared=False)
+    def ordinary() -> None: ...
+
+    app.finalize()
+    # The role defaults to the first configured one; the queue follows the prefix.
+    assert queue_of(app, bare) == "lq.alpha"
+    assert queue_of(app, with_args) == "lq.beta"
+    assert queue_of(app, class_based) == "lq.beta"
+    assert queue_of(app, routed_by_hand) == "elsewhere"
+    assert queue_of(app, bare, queue="by-call") == "by-call"
+    assert queue_of(app, ordinary) == app.conf.task_default_queue
+    # The worker upgrades leader-only tasks to late acknowledgement.
+    upgrade_tasks(app)
+    for task in (bare, with_args, class_based, routed_by_hand):
+        assert task.acks_late is True
+        assert task.reject_on_worker_lost is True
+    assert not ordinary.acks_late
+    options = leader_options(with_args)
+    assert options is not None
+    assert (options.role, options.validate, options.on_follower) == ("beta", True, "skip")
+    assert leader_options(ordinary) is None
+
+
+def test_token_parameter_is_hidden_from_callers(app: Celery) -> None:
+    @app.task(shared=False)
+    @leader_only
+    def job(x: int, leader_token: Any = None) -> int:
+        return x
+
+    assert "leader_token" not in inspect.signature(job.run).parameters
+    # Direct and eager calls run the body without any check (and no token).
+    assert job(3) == 3
+    assert job.apply(args=(4,)).get() == 4
+
+
+def test_eager_leader_task_runs_without_election(app: Celery) -> None:
+    seen: list[Any] = []
+
+    @app.task(shared=False, bind=True, base=LeaderTask)
+    def job(self: Any) -> str:
+        seen.append(getattr(self.request, "leader_token", "unset"))
+        return "ran"
+
+    assert job.apply().get() == "ran"
+    assert seen == ["unset"]
+
+
+def test_bad_decorator_use_is_refused(app: Celery) -> None:
+    with pytest.raises(ConfigError, match="on_follower='drop' is unknown"):
+        leader_only(on_follower="drop")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="not a valid role name"):
+        leader_only(role="two words")
+
+    @app.task(shared=False)
+    def ordinary() -> None: ...
+
+    with pytest.raises(TypeError, match=r"under @app\.task"):
+        leader_only(ordinary)
+
+
+def test_check_outside_a_worker_says_why() -> None:
+    result = worker_state.check_leadership("alpha")
+    assert not result.leading
+    assert "bootstep" in result.reason
+
+
+# ------------------------------------------------------------- shared slots
+
+
+def test_shared_slots_round_trip() -> None:
+    shared = SharedLeadership(("a", "b"))
+    token = "0f0e5c52-2a4b-4cc1-9f4e-8a2a0c1d3e4f"
+    deadline = time.monotonic() + 5
+    shared.publish("b", 42, deadline, token)
+    snap = shared.read("b")
+    assert snap is not None and (snap.epoch, snap.deadline, snap.token) == (42, deadline, token)
+    assert snap.token_at(time.monotonic()) is not None
+    assert snap.token_at(deadline) is None  # the lease is over at the deadline
+    empty = shared.read("a")
+    assert empty is not None and empty.token_at(time.monotonic()) is None
+    assert shared.read("unknown") is None
+    shared.clear("b")
+    cleared = shared.read("b")
+    assert cleared is not None and cleared.token_at(time.monotonic()) is None
+
+
+def test_shared_slots_never_trust_a_torn_read() -> None:
+    shared = SharedLeadership(("a",))
+    shared.publish("a", 7, time.monotonic() + 5, "tok")
+    mm = shared._mm
+    # A writer caught mid-write (odd sequence number): no answer, fail closed.
+    seq = int.from_bytes(mm[0:8], "little")
+    mm[0:8] = (seq | 1).to_bytes(8, "little")
+    assert shared.read("a") is None
+    mm[0:8] = (seq + 2).to_bytes(8, "little")
+    assert shared.read("a") is not None
+    # Bytes that do not match their checksum: no answer either.
+    mm[8] ^= 0xFF
+    assert shared.read("a") is None
+
+
+def test_forked_child_reads_the_parents_slots() -> None:
+    shared = SharedLeadership(("a",))
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: wait for the parent's publish, report what it sees
+        os.close(read_fd)
+        deadline = time.monotonic() + 10
+        seen = None
+        while time.monotonic() < deadline:
+            snap = shared.read("a")
+            if snap is not None and snap.epoch:
+                seen = [snap.epoch, snap.token]
+                break
+            time.sleep(0.001)
+        os.write(write_fd, json.dumps(seen).encode())
+        os._exit(0)
+    os.close(write_fd)
+    shared.publish("a", 9, time.monotonic() + 5, "from-parent")
+    with os.fdopen(read_fd) as pipe:
+        seen = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+    assert seen == [9, "from-parent"]
