@@ -14,8 +14,8 @@ import os
 from celery import Celery
 
 from celery_nats_leader import install
+from celery_nats_leader.testing import kombu_fs
 from django_nats_leader.conf import configure_celery
-from exampleproj import kombu_fs
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "exampleproj.settings")
 # The default broker, atomicfs://: kombu's filesystem transport, written atomically.

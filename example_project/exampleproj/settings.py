@@ -5,7 +5,7 @@ Embedded defaults, each overridable from the environment:
 * database: SQLite in ``$EXAMPLE_DATA_DIR`` (default: a directory in the
   system's temp dir);
 * broker: kombu's filesystem transport (written atomically, see
-  ``kombu_fs.py``) in the same directory, unless
+  ``celery_nats_leader/testing/kombu_fs.py``), unless
   ``BROKER_URL`` or ``REDIS_URL`` names a real broker;
 * NATS: ``$NATS_URL`` (default ``nats://127.0.0.1:4222``), bucket
   ``$EXAMPLE_NATS_BUCKET``, TTL ``$EXAMPLE_TTL`` seconds;
@@ -124,7 +124,7 @@ NATS_LEADER = {
 TICK_SECONDS = float(os.environ.get("EXAMPLE_TICK_SECONDS", "1"))
 
 # No broker server needed: kombu's filesystem transport, with atomic writes
-# (exampleproj/kombu_fs.py), unless BROKER_URL or REDIS_URL names a real one.
+# (celery_nats_leader/testing/kombu_fs.py), unless BROKER_URL or REDIS_URL names a real one.
 CELERY_BROKER_URL = os.environ.get("BROKER_URL") or os.environ.get("REDIS_URL") or "atomicfs://"
 if CELERY_BROKER_URL.startswith(("atomicfs", "filesystem")):
     _broker_dir = DATA_DIR / "broker"

@@ -26,6 +26,11 @@ from celery_nats_leader import (
     leader_only,
     leader_promoted,
 )
+from celery_nats_leader.testing import kombu_fs
+
+# kombu's filesystem transport writes a message file non-atomically: a polling
+# consumer can read it empty and die. Tests use the atomic variant.
+kombu_fs.register()
 
 #: The worker's main process (module imported before the pool forks).
 MAIN_PID = os.getpid()

@@ -5,7 +5,8 @@ it; a consumer polling at that instant moves the still-empty file away and
 dies on ``JSONDecodeError`` ("Unrecoverable error"), which takes the worker
 down. This channel writes the message to a hidden temporary file first and
 renames it into place, so a consumer sees a message whole or not at all.
-Registered as the ``atomicfs://`` transport by ``exampleproj.celery``.
+Call :func:`register` to make ``atomicfs://`` broker URLs use it (the example
+project and the Celery tests do, in every process that uses the app).
 """
 
 from __future__ import annotations
