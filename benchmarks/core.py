@@ -14,51 +14,24 @@ import contextlib
 import json
 import os
 import platform
-import queue
 import resource
-import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import nats
 from nats.js.api import KeyValueConfig
 
-from celery_nats_leader import Election, ElectionConfig, Elector
-from celery_nats_leader.connection import ConnectOptions
-from celery_nats_leader.testing import NatsServer
+from celery_nats_leader import ElectionConfig, Elector
+from celery_nats_leader.testing import CandidateGroup, NatsServer
 
 BUCKET = "bench"
 HERE = os.path.abspath(__file__)
 
 
 # ---------------------------------------------------------------- children
-
-
-def _emit(lock: threading.Lock, event: str, **fields: Any) -> None:
-    line = json.dumps({"event": event, "at": time.monotonic(), "pid": os.getpid(), **fields})
-    with lock:
-        print(line, flush=True)
-
-
-async def _candidate(url: str, role: str, ttl: float, name: str) -> None:
-    """One candidate process: reports promote/demote times, stops on SIGTERM."""
-    lock = threading.Lock()
-    config = ElectionConfig(role=role, bucket=BUCKET, ttl=ttl, instance_id=name)
-    election = Election(config, connect_options=ConnectOptions(servers=(url,)))
-    election.on_promote(lambda token: _emit(lock, "promoted", id=name, epoch=token.epoch))
-    election.on_demote(lambda reason: _emit(lock, "demoted", id=name, reason=reason.value))
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    await election.start()
-    _emit(lock, "ready", id=name)
-    await stop.wait()
-    await election.stop()
-    _emit(lock, "stopped", id=name)
 
 
 def _scale_child(url: str, roles: int, ttl: float, seconds: float) -> None:
@@ -86,145 +59,59 @@ def _scale_child(url: str, roles: int, ttl: float, seconds: float) -> None:
 # ------------------------------------------------------------------ parent
 
 
-@dataclass
-class Group:
-    """Candidate processes of one role and the events they print."""
-
-    url: str
-    role: str
-    ttl: float
-    procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
-    events: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
-    log: list[dict[str, Any]] = field(default_factory=list)
-    counter: int = 0
-
-    def spawn(self) -> str:
-        self.counter += 1
-        name = f"{self.role}-c{self.counter}"
-        proc = subprocess.Popen(
-            [sys.executable, HERE, "_candidate", self.url, self.role, str(self.ttl), name],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.procs[name] = proc
-        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
-        return name
-
-    def _read(self, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            self.events.put(json.loads(line))
-
-    def wait_for(
-        self, wanted: str, names: set[str] | None = None, timeout: float = 60
-    ) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            event = self.events.get(timeout=max(0.001, deadline - time.monotonic()))
-            self.log.append(event)
-            if event["event"] == wanted and (names is None or event["id"] in names):
-                return event
-
-    def leader(self) -> str:
-        """The id of the latest promoted, still running candidate."""
-        for event in reversed(self.log):
-            if event["event"] == "promoted" and self.procs[event["id"]].poll() is None:
-                return str(event["id"])
-        raise RuntimeError("no leader seen yet")
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-
-
 def percentile(values: list[float], pct: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
     return ordered[index]
 
 
-def overlap_seconds(log: list[dict[str, Any]], ended: dict[str, float]) -> float:
-    """Total time during which more than one process believed it led.
+def _group(url: str, role: str, ttl: float) -> CandidateGroup:
+    return CandidateGroup(url, role=role, bucket=BUCKET, ttl=ttl)
 
-    A belief runs from a ``promoted`` event to the same process's ``demoted``
-    event, or to the moment it was killed (``ended``).
-    """
-    intervals: list[tuple[float, float]] = []
-    open_at: dict[str, float] = {}
-    for event in sorted(log, key=lambda e: e["at"]):
-        if event["event"] == "promoted":
-            open_at[event["id"]] = event["at"]
-        elif event["event"] == "demoted" and event["id"] in open_at:
-            intervals.append((open_at.pop(event["id"]), event["at"]))
-    for name, start in open_at.items():
-        intervals.append((start, ended.get(name, float("inf"))))
-    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
-    total, depth, last = 0.0, 0, 0.0
-    for at, step in points:
-        if depth > 1:
-            total += at - last
-        depth += step
-        last = at
-    return total
+
+def _start(group: CandidateGroup, candidates: int) -> None:
+    """Spawn ``candidates`` processes and wait until they run and one leads."""
+    names = [group.spawn().name for _ in range(candidates)]
+    group.wait_for_all("ready", names, timeout=60)
+    group.wait_for("promoted", timeout=60)
 
 
 def crash_failover(
     url: str, ttl: float, runs: int, candidates: int = 5
 ) -> tuple[list[float], float]:
     """SIGKILL the leader among ``candidates`` processes; time until a successor's promote."""
-    group = Group(url, f"crash{str(ttl).replace('.', '_')}", ttl)
     killed: dict[str, float] = {}
     samples: list[float] = []
-    try:
-        names = {group.spawn() for _ in range(candidates)}
-        for _ in names:
-            group.wait_for("ready")
-        while not any(e["event"] == "promoted" for e in group.log):
-            group.wait_for("promoted")
+    with _group(url, f"crash{str(ttl).replace('.', '_')}", ttl) as group:
+        _start(group, candidates)
         for _ in range(runs):
             leader = group.leader()
-            others = {n for n, p in group.procs.items() if p.poll() is None and n != leader}
-            at = time.monotonic()
-            group.procs[leader].kill()
-            group.procs[leader].wait()
+            others = group.running - {leader}
+            at = group[leader].kill()
             killed[leader] = at
-            promoted = group.wait_for("promoted", others, timeout=ttl * 4)
-            samples.append(promoted["at"] - at)
+            promoted = group.wait_for("promoted", others, timeout=ttl * 4, after=at)
+            samples.append(promoted.at - at)
             # Keep the group at its size for the next run.
-            group.spawn()
-            group.wait_for("ready")
-        return samples, overlap_seconds(group.log, killed)
-    finally:
-        group.close()
+            group.wait_for("ready", {group.spawn().name}, timeout=60)
+        return samples, group.overlap(killed)
 
 
 def graceful_handoff(
     url: str, runs: int, candidates: int = 10, ttl: float = 5.0
 ) -> tuple[list[float], float]:
     """SIGTERM the leader (Election.stop()); time until a successor's promote."""
-    group = Group(url, "handoff", ttl)
     samples: list[float] = []
-    try:
-        names = {group.spawn() for _ in range(candidates)}
-        for _ in names:
-            group.wait_for("ready")
-        while not any(e["event"] == "promoted" for e in group.log):
-            group.wait_for("promoted")
+    with _group(url, "handoff", ttl) as group:
+        _start(group, candidates)
         for _ in range(runs):
             leader = group.leader()
-            others = {n for n, p in group.procs.items() if p.poll() is None and n != leader}
-            at = time.monotonic()
-            group.procs[leader].send_signal(signal.SIGTERM)
-            promoted = group.wait_for("promoted", others, timeout=ttl * 4)
-            samples.append(promoted["at"] - at)
-            group.procs[leader].wait()
-            group.spawn()
-            group.wait_for("ready")
-        return samples, overlap_seconds(group.log, {})
-    finally:
-        group.close()
+            others = group.running - {leader}
+            at = group[leader].terminate()
+            promoted = group.wait_for("promoted", others, timeout=ttl * 4, after=at)
+            samples.append(promoted.at - at)
+            group[leader].wait()
+            group.wait_for("ready", {group.spawn().name}, timeout=60)
+        return samples, group.overlap()
 
 
 async def kv_floor(url: str, ops: int = 500) -> tuple[list[float], list[float]]:
@@ -340,10 +227,7 @@ async def _create_bucket(url: str, ttl: float) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "_candidate":
-        _, _, url_, role_, ttl_, name_ = sys.argv
-        asyncio.run(_candidate(url_, role_, float(ttl_), name_))
-    elif len(sys.argv) > 1 and sys.argv[1] == "_scale":
+    if len(sys.argv) > 1 and sys.argv[1] == "_scale":
         _, _, url_, roles_, ttl_, seconds_ = sys.argv
         _scale_child(url_, int(roles_), float(ttl_), float(seconds_))
     else:

@@ -353,6 +353,23 @@ class Election:
         self._decided = asyncio.Event()
         self._leading = asyncio.Event()
         backend = await self._open_backend()
+        try:
+            await self._join(backend)
+        except BaseException:
+            # Fail fast *and clean*: a connection we opened must not stay
+            # behind, reconnecting and logging forever, after start() raised.
+            await self._abandon_start()
+            raise
+        self._main_task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"election-{cfg.role}"
+        )
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._decided.wait(), cfg.ttl if wait is None else wait)
+
+    async def _join(self, backend: Backend) -> None:
+        """Open the bucket, subscribe, read and watch the key: everything but the loop."""
+        cfg = self.config
+        assert self._decided is not None
         self._bucket = await backend.open_bucket(
             cfg.bucket,
             ttl=cfg.ttl,
@@ -382,11 +399,20 @@ class Election:
         self._subscriptions.append(await self._bucket.watch(cfg.role, self._on_watch))
         await self._announce({"hello": {"id": cfg.instance_id, "priority": cfg.priority}})
         self._set_state(ElectionState.FOLLOWER)
-        self._main_task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"election-{cfg.role}"
-        )
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._decided.wait(), cfg.ttl if wait is None else wait)
+
+    async def _abandon_start(self) -> None:
+        """Undo a failed :meth:`start`; the election stays in INIT and may start again."""
+        for sub in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subscriptions.clear()
+        await self._callbacks.stop()
+        self._bucket = None
+        if self._own_connection is not None:
+            with contextlib.suppress(Exception):
+                await self._own_connection.close()
+            self._own_connection = None
+            self._backend = None  # it was built on that connection
 
     async def stop(self) -> None:
         """Leave the election.
@@ -674,6 +700,13 @@ class Election:
             self._leader = record
             # It can only have expired TTL after we first saw it.
             self._campaign_at = now + self.config.ttl + self._campaign_delay()
+            # Someone else holds the role: we follow, and start() may return.
+            # (Without this, a candidate that learned of the leader from the
+            # watch before its first campaign waited a whole TTL in start().)
+            # Not while campaigning: that may be our own create, and the
+            # campaign's outcome decides.
+            if self._decided is not None and self._state is not ElectionState.CANDIDATE:
+                self._decided.set()
         else:
             self._leader = None
             self._campaign_at = now + self._campaign_delay()
@@ -786,6 +819,10 @@ class Election:
         self._set_state(ElectionState.CANDIDATE)
         token_value = str(uuid.uuid4())
         self._issued_tokens.append(token_value)
+        # What we knew when we decided to campaign. The watch may report the
+        # winner's record while our create is in flight; that record must not
+        # be mistaken for the one we expected to expire.
+        expected = (self._observed_revision, self._observed_present)
         send = self._clock.monotonic()
         try:
             revision = await self._bucket.create(
@@ -793,7 +830,7 @@ class Election:
             )
         except KeyExistsError:
             self._observer.campaign(self.role, self.instance_id, False)
-            await self._after_lost_campaign()
+            await self._after_lost_campaign(*expected)
             return
         except BackendTimeoutError:
             # The create may still have landed: a record carrying our token is ours.
@@ -805,7 +842,10 @@ class Election:
                 return
             self._set_state(ElectionState.FOLLOWER)
             self._observe(entry, authoritative=True)
-            self._retry_later()
+            if entry is None or entry.revision == expected[0]:
+                self._retry_later()
+            # else: someone else won meanwhile; follow it (the campaign is
+            # scheduled for when its record can expire), do not retry now.
             return
         except PERMANENT_ERRORS:
             raise
@@ -833,9 +873,13 @@ class Election:
             )
         self._campaign_at = self._clock.monotonic() + delay
 
-    async def _after_lost_campaign(self) -> None:
-        """The key is held: learn by whom, or retry if it is only slow to expire."""
-        previous_revision = self._observed_revision
+    async def _after_lost_campaign(self, expected_revision: int, expected_present: bool) -> None:
+        """The key is held: learn by whom, or retry if it is only slow to expire.
+
+        Args:
+            expected_revision: The key's revision we knew of when we decided to campaign.
+            expected_present: Whether it held a record then (that we expected to expire).
+        """
         entry = await self._read_quietly()
         self._set_state(ElectionState.FOLLOWER)
         now = self._clock.monotonic()
@@ -843,7 +887,7 @@ class Election:
             # Freed between our create and our read: try again right away.
             self._campaign_at = now + self._campaign_delay()
             return
-        if entry.revision == previous_revision and self._observed_present:
+        if entry.revision == expected_revision and expected_present:
             # The record we expected to expire is still there: the server's
             # expiry timer has a few milliseconds of slack. Retry briefly.
             if self._expiry_retry_until == 0.0:
@@ -924,6 +968,12 @@ class Election:
         self._revision = revision
         self._term_started_at = now
         self._confirm(send)
+        # The watch may have delivered our own create before its acknowledgement
+        # (we were still a candidate): the change was reported then already.
+        previous = self._leader
+        already_reported = (
+            previous is not None and previous.token == token.value and previous.epoch == token.epoch
+        )
         self._leader = LeaderRecord(
             id=cfg.instance_id,
             token=token.value,
@@ -940,7 +990,8 @@ class Election:
         self._backoff.success()
         self._set_state(ElectionState.LEADER)
         logger.info("%s: promoted, epoch %d", self.role, token.epoch)
-        self._callbacks.submit(self._change_callbacks, self._leader)
+        if not already_reported:
+            self._callbacks.submit(self._change_callbacks, self._leader)
         self._callbacks.submit(self._promote_callbacks, token)
         if cfg.health_check is not None:
             self._health_task = asyncio.get_running_loop().create_task(
@@ -1238,9 +1289,18 @@ class Election:
             hello = body.get("hello")
             if isinstance(hello, dict) and isinstance(hello.get("id"), str):
                 priority = hello.get("priority", 0)
-                self._roster[hello["id"]] = priority if isinstance(priority, int) else 0
-                if hello["id"] != self.instance_id and reply is None:
-                    # Introduce ourselves back so the newcomer knows our priority.
+                priority = priority if isinstance(priority, int) else 0
+                self._roster[hello["id"]] = priority
+                # Introduce ourselves back only if we are preferred over the
+                # newcomer: its campaign delay depends only on the best
+                # priority above its own. Every member answering every hello
+                # (with a broadcast) cost N² messages when N candidates
+                # started together, enough to starve the leader's renewals.
+                if (
+                    hello["id"] != self.instance_id
+                    and reply is None
+                    and self.config.priority > priority
+                ):
                     await self._announce(
                         {"known": {"id": self.instance_id, "priority": self.config.priority}}
                     )

@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import nats.errors
 from nats.aio.client import Client
 
-from celery_nats_leader.backend.base import Backend
+from celery_nats_leader.backend.base import Backend, Bucket
 from celery_nats_leader.backoff import Backoff
 from celery_nats_leader.clock import Clock
 from celery_nats_leader.config import ElectionConfig
@@ -54,6 +55,10 @@ class RoleHandle:
     def __init__(self, elector: Elector, election: LeaderElection) -> None:
         self._elector = elector
         self.election = election
+        # Set once the elector tried to start this role's election (or gave
+        # up). Before that there is nothing to wait on in the election itself:
+        # with require_connection=False roles start only once NATS is reachable.
+        self._start_attempted = threading.Event()
 
     @property
     def role(self) -> str:
@@ -123,13 +128,20 @@ class RoleHandle:
     def wait_for_leadership(self, timeout: float | None = None) -> bool:
         """Block until this process leads the role.
 
+        Also waits for the elector to connect, when it was started with
+        ``require_connection=False`` and NATS was not reachable yet.
+
         Returns:
             ``True`` if leading, ``False`` if ``timeout`` passed first.
 
         """
         if self.election.is_leader:
             return True
-        future = self._elector.loop.submit(self.election.wait_for_leadership(timeout))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._start_attempted.wait(timeout) or not self._elector.running:
+            return False  # still not connected to NATS, or the elector stopped
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        future = self._elector.loop.submit(self.election.wait_for_leadership(remaining))
         return future.result()
 
     def on_promote(self, callback: PromoteCallback) -> PromoteCallback:
@@ -316,7 +328,10 @@ class Elector(ConnectionListener):
             return
         assert self._backend is not None
         election.bind(self._backend)
-        await election.start()
+        try:
+            await election.start()
+        finally:
+            handle._start_attempted.set()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop every role (leaders release their keys first), then disconnect. Idempotent."""
@@ -330,6 +345,8 @@ class Elector(ConnectionListener):
                 logger.warning("leader election did not stop within %.1fs", timeout)
         self.loop.stop()
         self._connected.clear()
+        for handle in list(self._roles.values()):
+            handle._start_attempted.set()  # release waiters: the roles are stopped
 
     async def _shutdown(self) -> None:
         if self._connector is not None:
@@ -366,6 +383,56 @@ class Elector(ConnectionListener):
         """Connection back: wake every role so it renews or campaigns now."""
         for handle in list(self._roles.values()):
             handle.election.wake()
+
+    # ------------------------------------------------------------ buckets
+
+    def open_bucket(
+        self,
+        name: str,
+        *,
+        create: bool = False,
+        persistent: bool = False,
+        ttl: float | None = None,
+        replicas: int = 1,
+        timeout: float = 5.0,
+    ) -> Bucket:
+        """Open another KV bucket on this elector's connection (for example the beat state).
+
+        The returned bucket's coroutines must run on :attr:`loop`
+        (``elector.loop.run(bucket.get(key, timeout=1), 2)``).
+
+        Args:
+            name: The bucket.
+            create: Create it when missing.
+            persistent: Its data must not expire: created without ``max_age``,
+                refused if it has one (see :meth:`Backend.open_bucket`).
+            ttl: The ``max_age`` it must have; ``None`` skips the check.
+            replicas: Replicas when creating it.
+            timeout: Seconds to wait.
+
+        Returns:
+            The bucket.
+
+        Raises:
+            NatsUnavailableError: Not connected yet.
+            BucketNotFoundError: Missing and ``create`` is false.
+            BucketConfigError: Its ``max_age`` is wrong.
+
+        """
+        backend = self._backend
+        if backend is None or not self.running:
+            raise NatsUnavailableError("not connected to NATS yet")
+        return self.loop.run(
+            backend.open_bucket(
+                name,
+                ttl=ttl,
+                create=create,
+                replicas=replicas,
+                timeout=timeout,
+                persistent=persistent,
+            ),
+            timeout + 5,
+        )
 
     # ------------------------------------------------------------- status
 

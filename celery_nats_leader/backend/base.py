@@ -126,15 +126,26 @@ class Backend(Protocol):
         ...
 
     async def open_bucket(
-        self, name: str, *, ttl: float | None, create: bool, replicas: int, timeout: float
+        self,
+        name: str,
+        *,
+        ttl: float | None,
+        create: bool,
+        replicas: int,
+        timeout: float,
+        persistent: bool = False,
     ) -> Bucket:
         """Open (and optionally create) a bucket, checking its settings.
 
         ``ttl=None`` opens the bucket whatever its ``max_age`` (readers only).
+        ``persistent=True`` (with ``ttl=None``) is for data that must not
+        expire, such as the beat schedule's state: the bucket is created
+        without ``max_age`` and refused if it has one.
 
         Raises:
             BucketNotFoundError: The bucket is missing and ``create`` is false.
-            BucketConfigError: The bucket's ``max_age`` differs from ``ttl``.
+            BucketConfigError: The bucket's ``max_age`` differs from ``ttl``
+                (or is set on a ``persistent`` bucket).
             JetStreamUnavailableError: The server has no JetStream.
 
         """

@@ -62,6 +62,20 @@ def _bucket_missing_message(name: str, ttl: float) -> str:
     )
 
 
+def _persistent_bucket_missing_message(name: str) -> str:
+    return (
+        f"KV bucket {name!r} does not exist. Create it once with "
+        f"`nats kv add {name} --history 1` (no --ttl: its data must not expire), "
+        f"or set create_bucket=True (nats_leader_create_bucket in Celery)."
+    )
+
+
+def _retrieve_outcome(request: asyncio.Future[Any]) -> None:
+    """Mark a finished request's exception as seen (its caller may be gone)."""
+    if not request.cancelled():
+        request.exception()
+
+
 class JetStreamSubscription:
     """A core NATS subscription or a KV watch, behind one ``unsubscribe``."""
 
@@ -280,8 +294,13 @@ class JetStreamBackend:
             The call's result.
 
         """
+        request = asyncio.ensure_future(awaitable)
+        # If our caller is cancelled (stop()) just as the answer arrives, the
+        # request can finish with an error nobody reads, and asyncio logs
+        # "Task exception was never retrieved" at garbage collection.
+        request.add_done_callback(_retrieve_outcome)
         try:
-            return await asyncio.wait_for(awaitable, timeout)
+            return await asyncio.wait_for(request, timeout)
         except nats.js.errors.KeyWrongLastSequenceError as exc:
             raise RevisionMismatchError(str(exc)) from exc
         except nats.js.errors.NotFoundError as exc:
@@ -334,16 +353,32 @@ class JetStreamBackend:
         return False
 
     async def open_bucket(
-        self, name: str, *, ttl: float | None, create: bool, replicas: int, timeout: float
+        self,
+        name: str,
+        *,
+        ttl: float | None,
+        create: bool,
+        replicas: int,
+        timeout: float,
+        persistent: bool = False,
     ) -> JetStreamBucket:
-        """Open (and optionally create) a bucket, checking its ``max_age``."""
+        """Open (and optionally create) a bucket, checking its ``max_age``.
+
+        With ``persistent`` the bucket holds data that must not expire: it is
+        created without ``max_age`` and refused if it has one.
+        """
         timeout = max(timeout, self.js_timeout)
         try:
             kv = await asyncio.wait_for(self.js.key_value(name), timeout)
         except nats.js.errors.BucketNotFoundError as exc:
-            if not create or ttl is None:
+            if persistent:
+                if not create:
+                    raise BucketNotFoundError(_persistent_bucket_missing_message(name)) from exc
+            elif not create or ttl is None:
                 raise BucketNotFoundError(_bucket_missing_message(name, ttl or 10.0)) from exc
-            kv = await self._create_bucket(name, ttl=ttl, replicas=replicas, timeout=timeout)
+            kv = await self._create_bucket(
+                name, ttl=None if persistent else ttl, replicas=replicas, timeout=timeout
+            )
         except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
             raise JetStreamUnavailableError(
                 "the NATS server has no JetStream: start nats-server with -js "
@@ -352,6 +387,15 @@ class JetStreamBackend:
         except (asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
             raise BackendTimeoutError(f"opening KV bucket {name!r} timed out") from exc
         bucket = JetStreamBucket(self, name, kv)
+        if persistent:
+            max_age = await bucket.ttl(timeout=timeout)
+            if max_age > 0:
+                raise BucketConfigError(
+                    f"KV bucket {name!r} has max_age={max_age:g}s, but its data must not expire. "
+                    f"Recreate it without a TTL (`nats kv add {name} --history 1`) or use "
+                    f"another bucket."
+                )
+            return bucket
         if ttl is None:
             return bucket
         actual = await bucket.ttl(timeout=timeout)
@@ -363,7 +407,9 @@ class JetStreamBackend:
             )
         return bucket
 
-    async def _create_bucket(self, name: str, *, ttl: float, replicas: int, timeout: float) -> Any:
+    async def _create_bucket(
+        self, name: str, *, ttl: float | None, replicas: int, timeout: float
+    ) -> Any:
         config = KeyValueConfig(
             bucket=name, history=1, ttl=ttl, replicas=replicas, storage=StorageType.FILE
         )

@@ -59,6 +59,8 @@ class MemoryServer:
 
     def expire(self, bucket: _MemoryBucketState) -> None:
         """Drop entries older than the bucket's ``max_age`` (silently, as 2.9 does)."""
+        if not bucket.ttl:
+            return  # no max_age: entries never expire
         now = self.clock.monotonic()
         for key, stored in list(bucket.keys.items()):
             if now - stored.stored_at >= bucket.ttl:
@@ -185,6 +187,9 @@ class MemoryBackend:
             label: set different labels to split the message bus in two (a
             network partition between servers), equal ones to heal it. KV
             operations are not affected.
+        blackholed: The connection looks up (``is_connected`` stays true) but
+            every message from or to this backend is silently lost, its own
+            echo included: a TCP connection whose packets are dropped.
 
     """
 
@@ -194,6 +199,7 @@ class MemoryBackend:
         self.latency = 0.0
         self.fail_next: Callable[[], Exception] | None = None
         self.partition = ""
+        self.blackholed = False
 
     @property
     def is_connected(self) -> bool:
@@ -206,15 +212,30 @@ class MemoryBackend:
             raise NotConnectedError("memory backend disconnected")
 
     async def open_bucket(
-        self, name: str, *, ttl: float | None, create: bool, replicas: int, timeout: float
+        self,
+        name: str,
+        *,
+        ttl: float | None,
+        create: bool,
+        replicas: int,
+        timeout: float,
+        persistent: bool = False,
     ) -> MemoryBucket:
-        """Open or create a bucket, checking its ``max_age``."""
+        """Open or create a bucket, checking its ``max_age`` (none when ``persistent``)."""
         self.require_connected()
         state = self.server.buckets.get(name)
         if state is None:
-            if not create or ttl is None:
+            if not create or (ttl is None and not persistent):
                 raise BucketNotFoundError(f"KV bucket {name!r} does not exist")
-            state = self.server.buckets[name] = _MemoryBucketState(ttl=ttl)
+            state = self.server.buckets[name] = _MemoryBucketState(
+                ttl=0.0 if persistent or ttl is None else ttl
+            )
+        if persistent:
+            if state.ttl:
+                raise BucketConfigError(
+                    f"KV bucket {name!r} has max_age={state.ttl:g}s, but its data must not expire"
+                )
+            return MemoryBucket(self, name)
         if ttl is not None and abs(state.ttl - ttl) > 0.001:
             raise BucketConfigError(f"KV bucket {name!r} has max_age={state.ttl:g}s, not {ttl:g}s")
         return MemoryBucket(self, name)
@@ -231,9 +252,12 @@ class MemoryBackend:
         return _MemorySubscription(stop)
 
     def _deliver(self, subject: str, data: bytes, reply: str | None) -> None:
+        if self.blackholed:
+            return
         for pattern, handler, owner in list(self.server.subscribers):
             if (
                 owner.connected
+                and not owner.blackholed
                 and owner.partition == self.partition
                 and _subject_matches(pattern, subject)
             ):

@@ -12,12 +12,17 @@ exercise leader election against a real ``nats-server`` instead of mocks:
 * :class:`FaultProxy` (asyncio) and :class:`ThreadedFaultProxy` (own thread,
   sync API) sit between a client and a server and simulate partitions
   (blackhole), connection resets, refused connections and latency.
+* :class:`CandidateGroup` runs election candidates as child processes
+  (``python -m celery_nats_leader.testing.candidate``) that print their events
+  as JSON lines, and can kill, pause, resume and command them.
 
 The ``nats-server`` binary is looked up by :func:`find_nats_server_binary`
 (``$NATS_SERVER_BIN``, ``PATH``, then ``/usr/sbin/nats-server``).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from celery_nats_leader.testing.fault_proxy import FaultProxy, ThreadedFaultProxy
 from celery_nats_leader.testing.nats_server import (
@@ -30,9 +35,34 @@ from celery_nats_leader.testing.nats_server import (
     free_port,
 )
 
+if TYPE_CHECKING:
+    from celery_nats_leader.testing.candidate import (
+        CandidateEvent,
+        CandidateGroup,
+        CandidateProcess,
+        leadership_overlap,
+    )
+
+#: Imported on first use: ``python -m celery_nats_leader.testing.candidate``
+#: imports this package first, and an eager import of the module it is about
+#: to run would make runpy warn.
+_LAZY = frozenset({"CandidateEvent", "CandidateGroup", "CandidateProcess", "leadership_overlap"})
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from celery_nats_leader.testing import candidate
+
+    return getattr(candidate, name)
+
+
 __all__ = [
     "READY_MARKER",
     "ROUTES_READY_MARKER",
+    "CandidateEvent",
+    "CandidateGroup",
+    "CandidateProcess",
     "FaultProxy",
     "NatsCluster",
     "NatsServer",
@@ -40,4 +70,5 @@ __all__ = [
     "ThreadedFaultProxy",
     "find_nats_server_binary",
     "free_port",
+    "leadership_overlap",
 ]

@@ -1,0 +1,107 @@
+"""A 3-node NATS cluster with an R3 bucket loses a server; the election goes on."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import nats
+import pytest
+
+from celery_nats_leader.testing import CandidateGroup, NatsCluster
+from tests.integration.helpers import (
+    BUCKET,
+    RECONNECT_WAIT,
+    ROLE,
+    SLACK,
+    TTL,
+    in_thread,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+NAMES = ["a", "b", "c"]
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[NatsCluster]:
+    made = NatsCluster(3)
+    await in_thread(made.start)
+    try:
+        yield made
+    finally:
+        await in_thread(made.close)
+
+
+async def stream_leader(cluster: NatsCluster) -> int:
+    """Index of the server leading the bucket's stream (its RAFT group)."""
+    nc = await nats.connect(cluster.urls)
+    try:
+        info = await nc.jetstream().stream_info(f"KV_{BUCKET}")
+    finally:
+        await nc.close()
+    assert info.config.num_replicas == 3
+    assert info.cluster is not None and info.cluster.leader
+    return [server.server_name for server in cluster.servers].index(info.cluster.leader)
+
+
+def one_leader(group: CandidateGroup, names: list[str], timeout: float) -> str:
+    """Poll the candidates until exactly one leads, all agree, and its token validates."""
+    deadline = time.monotonic() + timeout
+    while True:
+        views = [group.status(name) for name in names]
+        leaders = [view["id"] for view in views if view["is_leader"]]
+        if (
+            len(leaders) == 1
+            and {view["leader_id"] for view in views} == set(leaders)
+            and group.validate(leaders[0])
+        ):
+            return str(leaders[0])
+        assert time.monotonic() < deadline, views
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("victim", ["stream_leader", "stream_follower"])
+async def test_r3_bucket_survives_losing_a_server(cluster: NatsCluster, victim: str) -> None:
+    with CandidateGroup(
+        cluster.urls,
+        role=ROLE,
+        bucket=BUCKET,
+        ttl=TTL,
+        log_level="INFO",
+        reconnect_wait=RECONNECT_WAIT,
+    ) as group:
+        # The first candidate creates the bucket, replicated on all three servers.
+        group.spawn(NAMES[0], create_bucket=True, replicas=3)
+        await in_thread(group.wait_for, "ready", {NAMES[0]})
+        for name in NAMES[1:]:
+            group.spawn(name)
+        await in_thread(group.wait_for_all, "ready", NAMES[1:])
+        first = await in_thread(group.wait_for, "promoted", timeout=TTL + SLACK)
+
+        index = await stream_leader(cluster)
+        if victim == "stream_follower":
+            index = (index + 1) % 3
+        cluster.kill(index)
+
+        # A leader exists after the loss (the same one, or a successor if the
+        # stream's own leader election outlasted its lease) ...
+        leader = await in_thread(one_leader, group, NAMES, 4 * TTL + 5 * SLACK)
+        epoch = (await in_thread(group.status, leader))["epoch"]
+        assert epoch >= first["epoch"]
+        if victim == "stream_follower":
+            # The quorum never broke: nothing to recover from.
+            assert leader == first.name and epoch == first["epoch"]
+        # ... and a crash failover still works on the two remaining servers.
+        crashed_at = group[leader].kill()
+        successor = await in_thread(
+            group.wait_for,
+            "promoted",
+            set(NAMES) - {leader},
+            timeout=TTL + 3 * SLACK,
+            after=crashed_at,
+        )
+        assert successor.at - crashed_at < TTL + 2 * SLACK
+        assert successor["epoch"] > epoch
+        assert await in_thread(group.validate, successor.name)
+        assert group.overlap({leader: crashed_at}) == 0.0
