@@ -22,6 +22,10 @@ logger = logging.getLogger(__name__)
 Callback = Callable[..., Any]
 
 
+def _nothing() -> None:
+    """A callback that does nothing: queued behind others, it marks their end."""
+
+
 class CallbackRunner:
     """Runs callbacks sequentially on an event loop.
 
@@ -58,6 +62,10 @@ class CallbackRunner:
         self._queue.put_nowait((list(callbacks), args, done))
         return done
 
+    def barrier(self) -> asyncio.Future[None]:
+        """A future done once every callback queued so far has returned."""
+        return self.submit([_nothing])
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -81,7 +89,7 @@ class CallbackRunner:
         """Let queued callbacks finish, then stop."""
         if self._task is None:
             return
-        drained = self.submit([lambda: None])
+        drained = self.barrier()
         with contextlib.suppress(asyncio.CancelledError):
             await drained
         self._task.cancel()

@@ -914,13 +914,29 @@ class Election:
     async def _clear_leftover(self, record: LeaderRecord) -> None:
         """Delete a record of ours from a term we no longer hold.
 
-        A write of ours that timed out may have landed after we stepped down;
-        left alone it would keep the role empty until it expired.
+        After a lost lease or connection, or when a write of ours that timed
+        out landed after we stepped down, the key still names us; left alone it
+        would keep the role empty until it expired.
+
+        Like a release, this waits for the demote callbacks first: while the
+        record stands no successor can start, so deleting it must not cut
+        short the time the callbacks have to stop leader work. A callback
+        that never returns only delays the successor until the record
+        expires, as if nothing were cleared.
         """
         assert self._bucket is not None
-        logger.info("%s: clearing a leftover record of ours (epoch %d)", self.role, record.epoch)
         # Forget the tokens first: whatever happens below, this runs once.
         self._issued_tokens.clear()
+        callbacks_done = self._callbacks.barrier()
+        await asyncio.wait({callbacks_done}, timeout=self.config.ttl)
+        if not callbacks_done.done():
+            logger.warning(
+                "%s: demote callbacks still running after %.1fs; leaving our old record to expire",
+                self.role,
+                self.config.ttl,
+            )
+            return
+        logger.info("%s: clearing a leftover record of ours (epoch %d)", self.role, record.epoch)
         timeout = self.config.request_timeout
         try:
             entry = await self._bucket.get(self.role, timeout=timeout)

@@ -389,3 +389,26 @@ async def test_describe_reports_the_term(make: Callable[..., Candidate]) -> None
     ).get("beat", timeout=1)
     assert stored is not None
     assert decode_record(stored.value, stored.revision).epoch == info["epoch"]
+
+
+async def test_leftover_is_cleared_only_after_demote_callbacks_returned(
+    make: Callable[..., Candidate],
+) -> None:
+    a, b = make("a", ttl=2.0), make("b", ttl=2.0)
+    callback_returned: list[float] = []
+
+    def slow_demote(_reason: DemoteReason) -> None:
+        time.sleep(0.4)  # stopping leader work takes a while
+        callback_returned.append(time.monotonic())
+
+    a.election.on_demote(slow_demote)
+    await a.election.start()
+    await b.election.start()
+    a.backend.connected = False
+    await asyncio.wait_for(a.demoted.wait(), 3)
+    a.backend.connected = True
+    a.election.wake()
+    await asyncio.wait_for(b.promoted.wait(), 3)
+    promoted_at = time.monotonic()
+    assert callback_returned, "the successor started before the old leader's callback returned"
+    assert callback_returned[0] <= promoted_at
