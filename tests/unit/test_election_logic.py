@@ -406,9 +406,11 @@ async def test_leftover_is_cleared_only_after_demote_callbacks_returned(
     await b.election.start()
     a.backend.connected = False
     await asyncio.wait_for(a.demoted.wait(), 3)
+    a.promoted.clear()
     a.backend.connected = True
     a.election.wake()
-    await asyncio.wait_for(b.promoted.wait(), 3)
+    # The next term (whoever wins it) starts only after the callback returned.
+    await wait_until(lambda: a.promoted.is_set() or b.promoted.is_set(), timeout=3)
     promoted_at = time.monotonic()
-    assert callback_returned, "the successor started before the old leader's callback returned"
+    assert callback_returned, "a new term started before the old leader's callback returned"
     assert callback_returned[0] <= promoted_at
