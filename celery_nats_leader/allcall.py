@@ -1093,9 +1093,11 @@ class AllcallElection:
             self._retransmit(now, seq)
         elif candidates is not None and self._claim is None:
             self._elect(now, wall, seq, candidates)
-        elif self._claim is not None and self._phase == Phase.PING:
-            await self._maybe_take_over(self._claim, now)
         await self._publish(ALLCALL_VERB, self._message("allcall", seq=seq, claim=self._claim))
+        claim = self._claim
+        if self._state is ElectionState.FOLLOWER and claim is not None:
+            # After the allcall: a takeover request may wait request_timeout.
+            await self._maybe_take_over(claim, now)
 
     def _elect(self, now: float, wall: float, seq: int, candidates: set[str]) -> None:
         """The role is free: the eligible candidate of lowest rank starts a term."""
@@ -1140,7 +1142,9 @@ class AllcallElection:
         own = self._own_claim()
         assert own is not None and self._token is not None
         if self._disconnected_since is not None:
-            return  # a renewal nobody hears must not extend our lease
+            # Nobody would hear it (and no echo would confirm it): keep our
+            # view of our claim equal to what the others last saw.
+            return
         self._claim = own.renewed(wall + self.config.ttl)
         self._pending[seq] = _Pending(base=now, sent=now, token=self._token)
         while len(self._pending) > _MAX_PENDING:
