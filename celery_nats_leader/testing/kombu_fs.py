@@ -16,6 +16,7 @@ import uuid
 from time import monotonic
 from typing import Any
 
+from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, filesystem
 from kombu.utils.encoding import str_to_bytes
 from kombu.utils.json import dumps
@@ -24,23 +25,24 @@ from kombu.utils.json import dumps
 SCHEME = "atomicfs"
 
 
-class Channel(filesystem.Channel):  # type: ignore[misc]
+class Channel(filesystem.Channel):
     """A filesystem channel whose ``_put`` is atomic (write, then rename)."""
 
-    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+    def _put(self, queue: Any, payload: Any, **kwargs: Any) -> None:
         name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         final = os.path.join(self.data_folder_out, name)
         # Consumers only pick up "<stamp>_<uuid>.<queue>.msg"; this name never matches.
         partial = os.path.join(self.data_folder_out, f".{uuid.uuid4().hex}.partial")
         try:
             with open(partial, "wb") as file:
-                file.write(str_to_bytes(dumps(payload)))
+                body: bytes = str_to_bytes(dumps(payload))  # type: ignore[no-untyped-call]
+                file.write(body)
             os.replace(partial, final)
         except OSError as exc:
-            raise filesystem.ChannelError(f"Cannot add file {final!r} to directory") from exc
+            raise ChannelError(f"Cannot add file {final!r} to directory") from exc
 
 
-class Transport(filesystem.Transport):  # type: ignore[misc]
+class Transport(filesystem.Transport):
     """The filesystem transport with :class:`Channel`."""
 
     Channel = Channel
