@@ -28,7 +28,8 @@ SCHEME = "atomicfs"
 class Channel(filesystem.Channel):
     """A filesystem channel whose ``_put`` is atomic (write, then rename)."""
 
-    def _put(self, queue: Any, payload: Any, **kwargs: Any) -> None:
+    # kombu itself names this parameter differently in the two base classes.
+    def _put(self, queue: Any, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         final = os.path.join(self.data_folder_out, name)
         # Consumers only pick up "<stamp>_<uuid>.<queue>.msg"; this name never matches.
