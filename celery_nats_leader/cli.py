@@ -64,6 +64,7 @@ async def _read(
             roles=roles,
             timeout=timeout,
             roster_window=window,
+            strategy=settings.strategy,
         )
     finally:
         await nc.close()

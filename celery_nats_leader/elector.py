@@ -451,5 +451,11 @@ class Elector(ConnectionListener):
             raise NatsUnavailableError("not connected to NATS yet")
         if bucket is None:
             bucket = next(iter(self._roles.values())).config.bucket if self._roles else "leaders"
+        mine = [h.config for h in self._roles.values() if h.config.bucket == bucket]
+        strategy = mine[0].strategy if mine else "kv"
+        roles = [config.role for config in mine]
         backend = self._backend
-        return self.loop.run(read_status(backend, bucket, timeout=timeout), timeout + 5)
+        return self.loop.run(
+            read_status(backend, bucket, roles=roles, timeout=timeout, strategy=strategy),
+            timeout + 5,
+        )

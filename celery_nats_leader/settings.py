@@ -117,6 +117,9 @@ class LeaderSettings:
     strategy: Strategy = "kv"
     """Election strategy: ``kv`` (default) or ``allcall``."""
 
+    max_clock_skew: float = 1.0
+    """ALLCALL only: the bound on clock differences between hosts, seconds."""
+
     role_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Per-role overrides of any ElectionConfig field, e.g. ``{"beat": {"ttl": 5}}``."""
 
@@ -200,6 +203,7 @@ class LeaderSettings:
             "create_bucket": self.create_bucket,
             "bucket_replicas": self.bucket_replicas,
             "strategy": self.strategy,
+            "max_clock_skew": self.max_clock_skew,
         }
         base.update(self.role_options.get(role, {}))
         try:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from celery_nats_leader.backend.base import Backend
+from celery_nats_leader.config import Strategy
 from celery_nats_leader.constants import DEFAULT_ROSTER_WINDOW_SECONDS, ROSTER_VERB
 from celery_nats_leader.election import control_subject
 from celery_nats_leader.errors import ElectionError, RecordFormatError
@@ -73,6 +74,7 @@ async def read_status(
     roles: Iterable[str] = (),
     timeout: float = 5.0,
     roster_window: float = DEFAULT_ROSTER_WINDOW_SECONDS,
+    strategy: Strategy = "kv",
 ) -> list[RoleStatus]:
     """List every role in ``bucket`` (and every role in ``roles``, held or not).
 
@@ -82,6 +84,9 @@ async def read_status(
         roles: Roles to report even when nobody holds them (configured roles).
         timeout: Seconds for the KV reads.
         roster_window: Seconds to collect answers from live candidates.
+        strategy: ``"kv"`` reads the bucket; ``"allcall"`` has no bucket (no
+            JetStream), so ``roles`` are reported from the live candidates
+            alone: the leader is the candidate that says it leads.
 
     Returns:
         One entry per role, sorted by role name.
@@ -90,6 +95,12 @@ async def read_status(
         BucketNotFoundError: If the bucket does not exist.
 
     """
+    if strategy == "allcall":
+        return list(
+            await asyncio.gather(
+                *(_from_roster(backend, bucket, role, roster_window) for role in sorted(set(roles)))
+            )
+        )
     kv = await backend.open_bucket(bucket, ttl=None, create=False, replicas=1, timeout=timeout)
     entries = {entry.key: entry for entry in await kv.entries(timeout=timeout)}
     names = sorted(set(entries) | set(roles))
@@ -132,6 +143,25 @@ async def read_status(
         )
 
     return list(await asyncio.gather(*(one(name) for name in names)))
+
+
+async def _from_roster(backend: Backend, bucket: str, role: str, window: float) -> RoleStatus:
+    """A role's status from its live candidates only (strategies without a bucket)."""
+    candidates = await _roster(backend, bucket, role, window)
+    leader = next((cand for cand in candidates if cand.get("is_leader")), None)
+    if leader is None:
+        return RoleStatus(role=role, leader_id=None, candidates=candidates)
+    lease = leader.get("lease_remaining")
+    return RoleStatus(
+        role=role,
+        leader_id=str(leader.get("id")),
+        epoch=leader.get("epoch"),
+        priority=leader.get("priority"),
+        term_age=leader.get("term_age"),
+        expires_in=None if lease is None else float(lease),
+        leader_meta=dict(leader.get("meta") or {}),
+        candidates=candidates,
+    )
 
 
 async def _roster(backend: Backend, bucket: str, role: str, window: float) -> list[dict[str, Any]]:

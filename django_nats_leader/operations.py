@@ -224,7 +224,12 @@ async def read_report(
     """
     expected = tuple(dict.fromkeys(only or configured_roles))
     statuses = await read_status(
-        backend, settings.bucket, roles=expected, timeout=timeout, roster_window=roster_window
+        backend,
+        settings.bucket,
+        roles=expected,
+        timeout=timeout,
+        roster_window=roster_window,
+        strategy=settings.strategy,
     )
     if only:
         statuses = [s for s in statuses if s.role in expected]

@@ -288,6 +288,13 @@ async def test_elector_runs_allcall_roles_without_jetstream(nats_server: NatsSer
         assert await asyncio.to_thread(handle.validate_token) is True
         await wait_for(lambda: bool(promoted), 2, what="the promote callback")
         assert handle.token is not None and promoted == [handle.token.epoch]
+        # No JetStream, so no bucket: the status comes from the live candidates.
+        rows = {row.role: row for row in await asyncio.to_thread(elector.status)}
+        assert sorted(rows) == ["beat", "reports"]
+        assert rows["beat"].leader_id == "elected"
+        assert rows["beat"].epoch == handle.token.epoch
+        assert rows["beat"].expires_in is not None and rows["beat"].expires_in > 0
+        assert [c["id"] for c in rows["beat"].candidates] == ["elected"]
     finally:
         await asyncio.to_thread(elector.stop)
     assert not handle.is_leader
