@@ -1,0 +1,503 @@
+"""Beat failover, side by side: celery-nats-leader's LeaderScheduler vs celery-redbeat.
+
+Three ``celery beat`` replicas of each scheduler, with equal settings: the
+same lock TTL (the election TTL, redbeat's ``redbeat_lock_timeout``), the same
+loop interval (``beat_max_loop_interval``), the same entries (several
+1-second interval entries) and the same Redis broker. Measured, in one run:
+
+* **crash**: the active scheduler is SIGKILLed; time from the kill to the next
+  dispatch by another replica, and the ticks of a 1-second entry that were
+  never dispatched because of the crash;
+* **pause mid-dispatch**: the active scheduler stops itself (SIGSTOP) inside
+  the publish of a due task, the worst moment, for twice the TTL, then is
+  continued; duplicate dispatches (one tick sent twice) are counted;
+* **pause at a random moment**: the same with a SIGSTOP sent from outside at
+  a random time.
+
+Dispatches are recorded in the beat processes themselves (Celery's
+``before_task_publish`` signal), with the time on CLOCK_MONOTONIC (one clock
+for every process of this host) and the tick they are for: the slot header of
+celery-nats-leader, and for redbeat the entry's ``last_run_at`` when it was
+sent (two sends with the same one are the same tick sent twice).
+
+Run: ``python benchmarks/beat_failover.py [--trials N]`` (needs Redis at
+``$BENCH_REDIS_URL``, default 127.0.0.1:6379, and ``nats-server``). Prints a
+markdown table. This file is also the Celery app of the beat processes
+(``celery -A beat_failover``), configured by ``$BEAT_BENCH_CONFIG``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+HERE = Path(__file__).resolve().parent
+REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+CELERY = str(Path(sys.executable).parent / "celery")
+
+#: Equal settings for both schedulers.
+LOCK_TTL = 5  # seconds: election TTL = redbeat_lock_timeout (redbeat wants an int)
+LOOP_INTERVAL = 1.0  # seconds: beat_max_loop_interval
+ENTRIES = 5  # 1-second interval entries (several due at once: a pause can cut a tick)
+REPLICAS = 3
+
+CONFIG: dict[str, Any] = json.loads(os.environ.get("BEAT_BENCH_CONFIG", "{}"))
+
+# ------------------------------------------------------------ beat processes
+
+_local = threading.local()
+_redis: Any = None
+
+
+def _client() -> Any:
+    global _redis  # noqa: PLW0603 - one client per beat process
+    if _redis is None:
+        import redis
+
+        _redis = redis.Redis.from_url(CONFIG["redis"])
+    return _redis
+
+
+def _on_publish(sender: str | None = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """In a beat process: maybe stop here (the pause scenario), then record the dispatch."""
+    headers = headers or {}
+    client = _client()
+    prefix = CONFIG["prefix"]
+    if client.delete(prefix + "pause-next") == 1:
+        # Stop inside the publish: the tick is decided (and, for
+        # celery-nats-leader, committed) but not sent yet.
+        os.kill(os.getpid(), signal.SIGSTOP)
+    tick = headers.get("nats_leader_tick") or getattr(_local, "prev_run", None)
+    record = {
+        "pid": os.getpid(),
+        "entry": headers.get("nats_leader_entry") or getattr(_local, "entry", None),
+        "tick": str(tick),
+        "mono": time.monotonic(),
+    }
+    client.rpush(prefix + "dispatches", json.dumps(record))
+
+
+def make_app(config: dict[str, Any]) -> Any:
+    from celery import Celery
+    from celery.schedules import schedule
+    from celery.signals import before_task_publish
+
+    app = Celery("beat_bench", set_as_current=True)
+    app.conf.update(
+        broker_url=config["redis"],
+        broker_transport_options={"global_keyprefix": config["prefix"]},
+        task_default_queue=config["queue"],
+        task_ignore_result=True,
+        result_backend=None,
+        result_expires=None,
+        timezone="UTC",
+        beat_max_loop_interval=LOOP_INTERVAL,
+        beat_enable_remote_control=False,
+        beat_schedule={
+            f"bench-{i}": {"task": "bench.noop", "schedule": schedule(timedelta(seconds=1))}
+            for i in range(ENTRIES)
+        },
+        # celery-nats-leader
+        nats_leader_servers=config.get("nats_url", "nats://127.0.0.1:4222"),
+        nats_leader_bucket=config["bucket"],
+        nats_leader_ttl=float(LOCK_TTL),
+        nats_leader_required=True,
+        # celery-redbeat
+        redbeat_redis_url=config["redis"],
+        redbeat_key_prefix=config["prefix"] + "redbeat",
+        redbeat_lock_timeout=LOCK_TTL,
+    )
+    before_task_publish.connect(_on_publish, weak=False)
+    return app
+
+
+def _bench_redbeat() -> Any:
+    from redbeat import RedBeatScheduler
+
+    class BenchRedBeatScheduler(RedBeatScheduler):  # type: ignore[misc]
+        """RedBeatScheduler, unchanged, plus a note of which tick each send is for."""
+
+        def apply_async(self, entry: Any, *args: Any, **kwargs: Any) -> Any:
+            # The entry's last run as loaded when it was found due: two sends
+            # made from the same one are the same tick, sent twice.
+            _local.prev_run = entry.last_run_at.isoformat() if entry.last_run_at else None
+            _local.entry = entry.name
+            return super().apply_async(entry, *args, **kwargs)
+
+    return BenchRedBeatScheduler
+
+
+_REDBEAT: list[Any] = []
+
+
+def __getattr__(name: str) -> Any:
+    # ``-S beat_failover:BenchRedBeatScheduler``: import redbeat only in the
+    # processes that use it (it connects a beat_init handler to every beat).
+    if name == "BenchRedBeatScheduler":
+        if not _REDBEAT:
+            _REDBEAT.append(_bench_redbeat())
+        return _REDBEAT[0]
+    raise AttributeError(name)
+
+
+if CONFIG:
+    app = make_app(CONFIG)
+
+# -------------------------------------------------------------------- harness
+
+
+class Beat:
+    def __init__(self, index: int, scheduler: str, env: dict[str, str], tmp: Path) -> None:
+        self.log_path = tmp / f"beat-{index}-{uuid.uuid4().hex[:4]}.log"
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [
+                CELERY,
+                "-A",
+                "beat_failover",
+                "beat",
+                "-S",
+                scheduler,
+                "-s",
+                str(tmp / f"schedule-{index}-{uuid.uuid4().hex[:4]}"),
+                "-l",
+                "INFO",
+            ],
+            cwd=str(HERE),
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def paused(self) -> bool:
+        try:
+            return Path(f"/proc/{self.pid}/stat").read_text().split(")")[-1].split()[0] == "T"
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)
+            os.kill(self.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class Run:
+    """One scheduler's replicas, their dispatches, and the scenarios."""
+
+    def __init__(self, label: str, scheduler: str, config: dict[str, Any], tmp: Path) -> None:
+        import redis
+
+        self.label = label
+        self.scheduler = scheduler
+        self.config = config
+        self.tmp = tmp
+        self.redis = redis.Redis.from_url(config["redis"])
+        self.env = {
+            **os.environ,
+            "BEAT_BENCH_CONFIG": json.dumps(config),
+            "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
+        }
+        self.beats: list[Beat] = []
+        self.crashes: list[dict[str, Any]] = []
+        self.pauses: dict[str, list[dict[str, Any]]] = {"mid-dispatch": [], "random": []}
+        self._gaps = 0
+
+    def start(self) -> None:
+        for i in range(REPLICAS):
+            self.beats.append(Beat(i, self.scheduler, self.env, self.tmp))
+        self.wait(self.dispatches, 60, "a first dispatch")
+
+    def replace(self, beat: Beat) -> None:
+        """Keep three replicas: start a new one for a dead one."""
+        beat.stop()
+        self.beats[self.beats.index(beat)] = Beat(
+            len(self.beats), self.scheduler, self.env, self.tmp
+        )
+
+    def dispatches(self) -> list[dict[str, Any]]:
+        raw = self.redis.lrange(self.config["prefix"] + "dispatches", 0, -1)
+        return [json.loads(item) for item in raw]
+
+    def wait(self, predicate: Any, timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.01)
+        raise RuntimeError(f"{self.label}: timed out waiting for {what}")
+
+    def active(self) -> Beat:
+        """The replica that dispatched last."""
+
+        def find() -> Beat | None:
+            recent = [d for d in self.dispatches() if d["mono"] > time.monotonic() - 2]
+            if not recent:
+                return None
+            pid = recent[-1]["pid"]
+            return next((b for b in self.beats if b.pid == pid and b.alive), None)
+
+        beat: Beat = self.wait(find, 30, "an active scheduler")
+        return beat
+
+    # --------------------------------------------------------- scenarios
+
+    def crash(self) -> None:
+        time.sleep(2.0 + random.random())  # a random phase of the 1-second ticks
+        victim = self.active()
+        killed_at = time.monotonic()
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.proc.wait(10)
+
+        def next_dispatch() -> dict[str, Any] | None:
+            after = [
+                d for d in self.dispatches() if d["mono"] > killed_at and d["pid"] != victim.pid
+            ]
+            return after[0] if after else None
+
+        first = self.wait(next_dispatch, 120, "a dispatch after the crash")
+        time.sleep(3.0)
+        window_end = first["mono"] + 3.0
+        # Ticks of one 1-second entry due in [kill, window_end]: were they all sent?
+        sent = [
+            d
+            for d in self.dispatches()
+            if d["entry"] == "bench-0" and killed_at <= d["mono"] <= window_end
+        ]
+        if self.label == "celery-nats-leader":
+            # Exact: tick identities are slots; count the slots never sent.
+            from celery_nats_leader.beat_ticks import parse_slot
+
+            slots = sorted(
+                {parse_slot(d["tick"]) for d in self.dispatches() if d["entry"] == "bench-0"}
+            )
+            gaps = sum(round((b - a).total_seconds()) - 1 for a, b in itertools.pairwise(slots))
+            lost = float(gaps - self._gaps)
+            self._gaps = gaps
+        else:
+            # redbeat has no tick identity: ticks due in the window minus sends in it.
+            lost = max(0.0, (window_end - killed_at) - len(sent))
+        self.crashes.append({"failover": first["mono"] - killed_at, "lost": lost})
+        self.replace(victim)
+        time.sleep(2.0)
+
+    def pause(self, kind: str) -> None:
+        time.sleep(2.0 + random.random())
+        start_mono = time.monotonic()
+        if kind == "mid-dispatch":
+            self.redis.set(self.config["prefix"] + "pause-next", 1)
+            victim = self.wait(
+                lambda: next((b for b in self.beats if b.paused()), None), 30, "a pause"
+            )
+        else:
+            victim = self.active()
+            os.kill(victim.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while time.monotonic() < stopped_at + 2 * LOCK_TTL:
+            time.sleep(0.05)
+        os.kill(victim.pid, signal.SIGCONT)
+        time.sleep(4.0)
+        window = [d for d in self.dispatches() if d["mono"] >= start_mono]
+        counts = Counter((d["entry"], d["tick"]) for d in window)
+        duplicates = sum(n - 1 for n in counts.values() if n > 1)
+        outcome = "kept running, following" if victim.alive else "exited"
+        if not victim.alive:
+            log = victim.log()
+            if "LockNotOwnedError" in log or "Cannot extend" in log:
+                outcome = "exited (LockNotOwnedError)"
+        self.pauses[kind].append({"duplicates": duplicates, "outcome": outcome})
+        self.redis.delete(self.config["prefix"] + "pause-next")
+        if not victim.alive:
+            self.replace(victim)
+        time.sleep(2.0)
+
+    def close(self) -> None:
+        for beat in self.beats:
+            beat.stop()
+        keys = list(self.redis.scan_iter(match=self.config["prefix"] + "*"))
+        if keys:
+            self.redis.delete(*keys)
+        self.redis.close()
+
+
+def _reachable(url: str) -> bool:
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379), 1):
+            return True
+    except OSError:
+        return False
+
+
+async def _create_buckets(url: str, bucket: str) -> None:
+    import nats
+    from nats.js.api import KeyValueConfig
+
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, ttl=LOCK_TTL))
+        await js.create_key_value(KeyValueConfig(bucket=f"{bucket}_beat", history=1))
+    finally:
+        await nc.close()
+
+
+def measure(label: str, scheduler: str, trials: int, nats_url: str, tmp: Path) -> Run:
+    uid = uuid.uuid4().hex[:8]
+    config = {
+        "redis": REDIS_URL,
+        "prefix": f"beatbench-{uid}:",
+        "queue": f"beatbench-{uid}",
+        "bucket": f"bench_{uid}",
+        "nats_url": nats_url,
+    }
+    if label == "celery-nats-leader":
+        asyncio.run(_create_buckets(nats_url, config["bucket"]))
+    run = Run(label, scheduler, config, tmp)
+    try:
+        run.start()
+        for _ in range(trials):
+            run.crash()
+        for _ in range(trials):
+            run.pause("mid-dispatch")
+        for _ in range(trials):
+            run.pause("random")
+    finally:
+        run.close()
+    return run
+
+
+def _ratio(a: float, b: float) -> str:
+    if a == 0 and b == 0:
+        return "="
+    if a == 0:
+        return "∞"
+    return f"{b / a:.2f}×"
+
+
+def report(ours: Run, theirs: Run, trials: int) -> str:
+    def failover(run: Run) -> tuple[float, str]:
+        values = [c["failover"] for c in run.crashes]
+        median = statistics.median(values)
+        return median, f"{median:.2f} s ({min(values):.2f}–{max(values):.2f})"
+
+    def lost(run: Run) -> float:
+        return statistics.mean(c["lost"] for c in run.crashes)
+
+    def dups(run: Run, kind: str) -> int:
+        return sum(p["duplicates"] for p in run.pauses[kind])
+
+    def outcome(run: Run) -> str:
+        seen = Counter(p["outcome"] for kind in run.pauses.values() for p in kind)
+        return ", ".join(f"{what} ×{n}" for what, n in seen.items())
+
+    f_ours, f_ours_text = failover(ours)
+    f_theirs, f_theirs_text = failover(theirs)
+    rows = [
+        (
+            f"SIGKILL of the active scheduler → next dispatch, median (min–max) of {trials}",
+            f_ours_text,
+            f_theirs_text,
+            _ratio(f_ours, f_theirs),
+        ),
+        (
+            "ticks of a 1-s entry never dispatched, per SIGKILL (mean)",
+            f"{lost(ours):.1f}",
+            f"{lost(theirs):.1f}",
+            "",
+        ),
+        (
+            f"duplicate dispatches, SIGSTOP {2 * LOCK_TTL} s inside a dispatch (total of {trials})",
+            str(dups(ours, "mid-dispatch")),
+            str(dups(theirs, "mid-dispatch")),
+            _ratio(dups(ours, "mid-dispatch"), dups(theirs, "mid-dispatch")),
+        ),
+        (
+            f"duplicate dispatches, SIGSTOP {2 * LOCK_TTL} s at a random time (total of {trials})",
+            str(dups(ours, "random")),
+            str(dups(theirs, "random")),
+            _ratio(dups(ours, "random"), dups(theirs, "random")),
+        ),
+        ("the paused scheduler after SIGCONT", outcome(ours), outcome(theirs), ""),
+    ]
+    lines = [
+        f"{REPLICAS} `celery beat` replicas per scheduler, {ENTRIES} entries every 1 s, "
+        f"lock TTL = election TTL = {LOCK_TTL} s, `beat_max_loop_interval` = {LOOP_INTERVAL:g} s, "
+        f"Redis broker; {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}.",
+        "",
+        "| | celery-nats-leader `LeaderScheduler` | celery-redbeat `RedBeatScheduler` "
+        "| redbeat ÷ nats-leader |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=3, help="crashes and pauses per scenario")
+    args = parser.parse_args()
+    if not _reachable(REDIS_URL):
+        message = f"beat_failover: Redis not reachable at {REDIS_URL} (set BENCH_REDIS_URL)"
+        if os.environ.get("CI", "").lower() == "true":
+            print(message, file=sys.stderr)
+            return 1
+        print(f"_skipped: {message}_")
+        return 0
+    sys.path.insert(0, str(HERE.parent))
+    from celery_nats_leader.testing import NatsServer
+
+    with tempfile.TemporaryDirectory(prefix="beat-bench-") as tmp, NatsServer() as server:
+        ours = measure("celery-nats-leader", "nats_leader", args.trials, server.url, Path(tmp))
+        theirs = measure(
+            "celery-redbeat",
+            "beat_failover:BenchRedBeatScheduler",
+            args.trials,
+            server.url,
+            Path(tmp),
+        )
+    print(report(ours, theirs, args.trials))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

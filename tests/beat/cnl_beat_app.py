@@ -1,0 +1,165 @@
+"""The Celery app of the beat tests (``celery -A cnl_beat_app beat|worker``).
+
+Configured by the JSON in ``$CNL_BEAT_CONFIG`` (see ``conftest.BeatCluster``).
+Entries (``config["entries"]``):
+
+* ``interval``: ``schedule(timedelta(seconds=...))``;
+* ``cron``: a real ``crontab(minute="*")`` (one tick per wall-clock minute);
+* ``fastcron``: a real ``crontab(minute="*")`` whose clock runs ``speed``
+  times faster than the wall clock (``nowfun``, the hook Celery schedules
+  offer for this), from ``config["t0"]`` on: with ``speed=60`` every
+  schedule minute lasts one real second, so the crontab's slot arithmetic is
+  exercised once a second. All processes use the same ``t0``, so they agree
+  on the schedule clock as they agree on the wall clock.
+
+With ``config["django"]`` the app sets Django up (``cnl_beat_django``
+settings) and the entries live in django-celery-beat's tables instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from celery import Celery
+from celery.exceptions import Ignore
+from celery.schedules import crontab, schedule
+from cnl_beat_ledger import BeatLedger
+
+from celery_nats_leader.beat import (
+    DISPATCHER_HEADER,
+    ENTRY_HEADER,
+    RUN_HEADER,
+    TICK_HEADER,
+    TOKEN_HEADER,
+    FencedBeatTask,
+    check_dispatch_token,
+)
+
+CONFIG: dict[str, Any] = json.loads(os.environ.get("CNL_BEAT_CONFIG", "{}"))
+#: The schedule clock of fastcron entries (set by make_app).
+_FAST: dict[str, float] = {"t0": 0.0, "speed": 60.0}
+
+
+def fast_now() -> datetime:
+    """The schedule clock of ``fastcron`` entries: ``speed`` x the wall clock since ``t0``."""
+    import time
+
+    t0 = float(_FAST["t0"])
+    speed = float(_FAST["speed"])
+    return datetime.fromtimestamp(t0 + (time.time() - t0) * speed, tz=timezone.utc)
+
+
+def beat_schedule(entries: list[dict[str, Any]], task: str, queue: str) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for spec in entries:
+        kind = spec["kind"]
+        if kind == "interval":
+            sched: Any = schedule(timedelta(seconds=spec["seconds"]))
+        elif kind == "cron":
+            sched = crontab(minute="*")
+        elif kind == "fastcron":
+            sched = crontab(minute="*", nowfun=fast_now)
+        else:  # pragma: no cover
+            raise ValueError(kind)
+        found[spec["name"]] = {
+            "task": spec.get("task", task),
+            "schedule": sched,
+            "options": {"queue": queue},
+        }
+    return found
+
+
+def _headers(request: Any) -> dict[str, Any]:
+    found = dict(request.headers or {}) if isinstance(request.headers, dict) else {}
+    for name in (TOKEN_HEADER, ENTRY_HEADER, TICK_HEADER, RUN_HEADER, DISPATCHER_HEADER):
+        if name not in found and getattr(request, name, None) is not None:
+            found[name] = getattr(request, name)
+    return found
+
+
+def _record(ledger: BeatLedger, task: Any) -> None:
+    headers = _headers(task.request)
+    token = headers.get(TOKEN_HEADER)
+    ledger.run(
+        task=task.name,
+        task_id=task.request.id,
+        entry=headers.get(ENTRY_HEADER),
+        tick=headers.get(TICK_HEADER),
+        epoch=int(str(token).split(":", 1)[0]) if token else None,
+        dispatcher=headers.get(DISPATCHER_HEADER),
+        run=headers.get(RUN_HEADER),
+    )
+
+
+def make_app(config: dict[str, Any]) -> Celery:
+    _FAST.update(t0=config.get("t0", 0.0), speed=config.get("speed", 60))
+    if config.get("django"):
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "cnl_beat_django")
+        import django
+
+        django.setup()
+    app = Celery("cnl_beat", set_as_current=True)
+    app.conf.update(
+        broker_url=config["broker_url"],
+        broker_transport_options=config.get("broker_transport_options", {}),
+        broker_connection_retry_on_startup=True,
+        task_default_queue=config["queue"],
+        task_ignore_result=True,
+        result_backend=None,
+        result_expires=None,
+        timezone="UTC",
+        enable_utc=True,
+        worker_prefetch_multiplier=1,
+        worker_enable_remote_control=False,
+        worker_send_task_events=False,
+        worker_hijack_root_logger=False,
+        beat_max_loop_interval=config.get("max_interval", 0.2),
+        beat_enable_remote_control=False,
+        nats_leader_servers=config["nats_url"],
+        nats_leader_bucket=config["bucket"],
+        nats_leader_beat_role=config.get("beat_role", "beat"),
+        nats_leader_ttl=config["ttl"],
+        nats_leader_required=True,
+        nats_leader_start_timeout=30.0,
+        **{f"nats_leader_{k}": v for k, v in config.get("extra", {}).items()},
+    )
+    if not config.get("django"):
+        app.conf.beat_schedule = beat_schedule(
+            config.get("entries", []), "cnl_beat.record", config["queue"]
+        )
+    ledger = BeatLedger(config["ledger"])
+
+    @app.task(bind=True, name="cnl_beat.record")
+    def record(self: Any, *args: Any, **kwargs: Any) -> None:
+        _record(ledger, self)
+
+    class RecordingFencedTask(FencedBeatTask):  # type: ignore[misc]
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            try:
+                super().before_start(task_id, args, kwargs)
+            except Ignore:
+                headers = _headers(self.request)
+                verdict = check_dispatch_token(self.request, self.app)
+                ledger.refusal(
+                    task=self.name,
+                    task_id=task_id,
+                    entry=headers.get(ENTRY_HEADER),
+                    tick=headers.get(TICK_HEADER),
+                    token=headers.get(TOKEN_HEADER),
+                    reason=verdict.reason,
+                )
+                raise
+
+    @app.task(bind=True, base=RecordingFencedTask, name="cnl_beat.fenced")
+    def fenced(self: Any, *args: Any, **kwargs: Any) -> None:
+        _record(ledger, self)
+
+    app.cnl_ledger = ledger  # type: ignore[attr-defined]
+    return app
+
+
+if CONFIG:
+    app = make_app(CONFIG)

@@ -1,0 +1,610 @@
+"""Harness of the beat tests: real ``celery beat`` replicas, a real worker, a real nats-server.
+
+``BeatCluster`` starts ``celery -A cnl_beat_app beat`` replicas (or ``worker
+-B``) and a worker that records every executed tick in the ledger, and a
+``KVRecorder`` that watches, from the test process, every write to the beat
+role's key and to the schedule state bucket, so that the assertions
+(:mod:`cnl_beat_checks`) can tell who wrote what under which term.
+
+Brokers: kombu's filesystem transport always runs. Redis and RabbitMQ are used
+at their usual local ports (or ``CNL_REDIS_URL`` / ``CNL_AMQP_URL``); when
+``CI=true`` they must be reachable (the test fails), elsewhere a missing one
+is skipped with the reason. Django tests use PostgreSQL (``CNL_PG_*``, default
+127.0.0.1:5432, database ``test``, user ``postgres`` or ``root``, trust auth)
+in a schema of their own, or SQLite when PostgreSQL is unreachable outside CI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import nats
+import pytest
+from cnl_beat_ledger import BeatLedger, Run
+from nats.js.api import KeyValueConfig
+
+from celery_nats_leader.beat_state import EntryState, decode_state, state_key
+from celery_nats_leader.beat_ticks import slot_text
+from celery_nats_leader.errors import RecordFormatError
+from celery_nats_leader.loop_thread import EventLoopThread
+from celery_nats_leader.record import LeaderRecord, decode_record
+from celery_nats_leader.testing import NatsServer
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+CELERY = str(Path(sys.executable).parent / "celery")
+REDIS_URL = os.environ.get("CNL_REDIS_URL", "redis://127.0.0.1:6379/0")
+AMQP_URL = os.environ.get("CNL_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+PG_HOST = os.environ.get("CNL_PG_HOST", "127.0.0.1")
+PG_PORT = int(os.environ.get("CNL_PG_PORT", "5432"))
+PG_DB = os.environ.get("CNL_PG_DB", "test")
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+#: Election TTL of the tests (seconds): short, to keep the suite to minutes.
+TTL = 1.5
+#: Room for what a busy 2-core machine adds to any deadline (process
+#: scheduling, the worker's broker polling, the catch-up burst after a
+#: failover): semantic bounds below are "what the design promises + SLACK".
+SLACK = 3.0
+#: Longest a crash or a pause may leave the role without a scheduler: the key
+#: expires at most TTL after the last renewal, then a follower takes over.
+FAILOVER = TTL + SLACK
+
+BEAT_ROLE = "beat"
+LEADERS_BUCKET = "leaders"
+STATE_BUCKET = "leaders_beat"
+
+
+def reachable(url: str) -> bool:
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 0), 1.0):
+            return True
+    except OSError:
+        return False
+
+
+def require_service(kind: str, url: str) -> None:
+    """Fail under CI, skip elsewhere, when a service is not reachable."""
+    if reachable(url):
+        return
+    message = f"{kind} not reachable at {url}"
+    if IN_CI:
+        pytest.fail(f"{message} (CI=true: the CI services must be up)")
+    pytest.skip(f"{message}; start it to run these cases")
+
+
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout: float,
+    what: str,
+    diagnostics: Callable[[], str] | None = None,
+) -> Any:
+    """Poll ``predicate`` until it is truthy (the state lives in other processes)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            extra = diagnostics() if diagnostics else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{extra}")
+        time.sleep(0.02)
+
+
+# ------------------------------------------------------------------ brokers
+
+
+@dataclass
+class Broker:
+    kind: str
+    url: str
+    transport_options: dict[str, Any] = field(default_factory=dict)
+    prefix: str = ""
+    queues: set[str] = field(default_factory=set)
+
+    def cleanup(self) -> None:
+        if self.kind == "redis":
+            import redis
+
+            client = redis.Redis.from_url(self.url)
+            try:
+                keys = list(client.scan_iter(match=self.prefix + "*"))
+                if keys:
+                    client.delete(*keys)
+            finally:
+                client.close()
+        elif self.kind == "amqp":
+            from kombu import Connection
+
+            with Connection(self.url) as conn:
+                for name in self.queues:
+                    channel = conn.channel()
+                    with contextlib.suppress(Exception):
+                        channel.queue_delete(name)
+                    with contextlib.suppress(Exception):
+                        channel.close()
+
+
+# ------------------------------------------------------------- databases
+
+
+@dataclass
+class Database:
+    """Django ``DATABASES['default']`` for the subprocesses."""
+
+    vendor: str
+    settings: dict[str, Any]
+    cleanup: Callable[[], None] = lambda: None
+
+
+def pg_connect(user: str) -> Any:
+    import psycopg2
+
+    return psycopg2.connect(host=PG_HOST, port=PG_PORT, dbname=PG_DB, user=user, connect_timeout=3)
+
+
+# --------------------------------------------------------------- KV recorder
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One write seen by the recorder."""
+
+    bucket: str
+    key: str
+    revision: int
+    deleted: bool
+    value: bytes
+    mono: float
+
+
+class KVRecorder:
+    """Watches the beat role's key and the state bucket from the test process."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.seen: list[Observed] = []
+        self._lock = threading.Lock()
+        self._loop = EventLoopThread(name="kv-recorder")
+        self._nc: Any = None
+        self._watchers: list[Any] = []
+        self._tasks: list[Any] = []
+
+    def start(self) -> None:
+        self._loop.start()
+        self._loop.run(self._start(), 20)
+
+    async def _start(self) -> None:
+        self._nc = await nats.connect(self.url)
+        js = self._nc.jetstream()
+        for bucket, key in ((LEADERS_BUCKET, BEAT_ROLE), (STATE_BUCKET, ">")):
+            kv = await js.key_value(bucket)
+            watcher = await kv.watch(key, include_history=True)
+            self._watchers.append(watcher)
+            self._tasks.append(asyncio.get_running_loop().create_task(self._pump(bucket, watcher)))
+
+    async def _pump(self, bucket: str, watcher: Any) -> None:
+        async for update in watcher:
+            if update is None:
+                continue
+            observed = Observed(
+                bucket,
+                update.key,
+                int(update.revision or 0),
+                update.operation is not None,
+                bytes(update.value or b""),
+                time.monotonic(),
+            )
+            with self._lock:
+                self.seen.append(observed)
+
+    def stop(self) -> None:
+        if not self._loop.is_running:
+            return
+
+        async def stop() -> None:
+            for watcher in self._watchers:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+            for task in self._tasks:
+                task.cancel()
+            if self._nc is not None:
+                await self._nc.close()
+
+        with contextlib.suppress(Exception):
+            self._loop.run(stop(), 10)
+        self._loop.stop()
+
+    # ----------------------------------------------------------- queries
+
+    def terms(self) -> dict[int, LeaderRecord]:
+        """Every term of the beat role seen: epoch -> record."""
+        found: dict[int, LeaderRecord] = {}
+        with self._lock:
+            seen = list(self.seen)
+        for item in seen:
+            if item.bucket != LEADERS_BUCKET or item.deleted:
+                continue
+            try:
+                record = decode_record(item.value, item.revision)
+            except RecordFormatError:
+                continue
+            found.setdefault(record.epoch, record)
+        return found
+
+    def leader(self) -> LeaderRecord | None:
+        """The latest record of the beat role (``None`` after a release or before any)."""
+        with self._lock:
+            seen = [s for s in self.seen if s.bucket == LEADERS_BUCKET]
+        if not seen or seen[-1].deleted:
+            return None
+        last = seen[-1]
+        return decode_record(last.value, last.revision)
+
+    def state_writes(self, name: str) -> list[tuple[Observed, EntryState]]:
+        key = state_key(BEAT_ROLE, name)
+        with self._lock:
+            seen = [s for s in self.seen if s.bucket == STATE_BUCKET and s.key == key]
+        return [(s, decode_state(s.value, s.revision)) for s in seen if not s.deleted]
+
+    def all_state_writes(self) -> list[tuple[Observed, EntryState]]:
+        with self._lock:
+            seen = [s for s in self.seen if s.bucket == STATE_BUCKET and not s.deleted]
+        return [(s, decode_state(s.value, s.revision)) for s in seen]
+
+
+async def create_buckets(url: str, ttl: float) -> None:
+    """Create the buckets as an operator would (the schedulers do not create them)."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        await js.create_key_value(KeyValueConfig(bucket=LEADERS_BUCKET, history=1, ttl=ttl))
+        await js.create_key_value(KeyValueConfig(bucket=STATE_BUCKET, history=1))
+    finally:
+        await nc.close()
+
+
+# -------------------------------------------------------------- processes
+
+
+class Proc:
+    """A subprocess in its own process group, logging to a file."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=str(HERE),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.stopped_at: float | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            os.kill(self.pid, sig)
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Graceful stop (SIGTERM), then SIGKILL of the whole group if it hangs."""
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.signal_group(signal.SIGKILL)
+                self.proc.wait(10)
+        # An embedded beat child may outlive its worker: kill what is left.
+        self.signal_group(signal.SIGKILL)
+        self._log.close()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def __repr__(self) -> str:
+        return f"<{self.name} pid={self.pid} alive={self.alive}>"
+
+
+class BeatCluster:
+    """Three (or more) beat replicas and a worker around one nats-server."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        nats_server: NatsServer,
+        broker: Broker,
+        *,
+        entries: list[dict[str, Any]],
+        scheduler: str = "nats_leader",
+        database: Database | None = None,
+        ttl: float = TTL,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.tmp = tmp_path
+        self.nats = nats_server
+        self.broker = broker
+        self.ttl = ttl
+        self.entries = entries
+        self.queue = f"cnl-beat-{uuid.uuid4().hex[:8]}"
+        broker.queues.add(self.queue)
+        self.ledger_path = str(tmp_path / "ledger.sqlite3")
+        self.ledger = BeatLedger(self.ledger_path)
+        self.ledger.create()
+        self.t0 = time.time()
+        self.config: dict[str, Any] = {
+            "broker_url": broker.url,
+            "broker_transport_options": broker.transport_options,
+            "queue": self.queue,
+            "nats_url": nats_server.url,
+            "bucket": LEADERS_BUCKET,
+            "beat_role": BEAT_ROLE,
+            "ttl": ttl,
+            "ledger": self.ledger_path,
+            "entries": entries,
+            "t0": self.t0,
+            "speed": 60,
+            "max_interval": 0.2,
+            "scheduler": scheduler,
+            "extra": extra or {},
+        }
+        self.database = database
+        if database is not None:
+            self.config["django"] = True
+        self.scheduler = scheduler
+        asyncio.run(create_buckets(nats_server.url, ttl))
+        self.recorder = KVRecorder(nats_server.url)
+        self.recorder.start()
+        self.beats: list[Proc] = []
+        self.embedded: list[Proc] = []
+        self.workers: list[Proc] = []
+        self.started_at = time.monotonic()
+
+    # ------------------------------------------------------------ set-up
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["CNL_BEAT_CONFIG"] = json.dumps(self.config)
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(REPO)])
+        env.pop("DJANGO_SETTINGS_MODULE", None)
+        if self.database is not None:
+            env["CNL_BEAT_DB"] = json.dumps(self.database.settings)
+            env["DJANGO_SETTINGS_MODULE"] = "cnl_beat_django"
+        return env
+
+    def django_setup(self) -> None:
+        """Migrate and create the entries' rows (as a deployment would, once)."""
+        result = subprocess.run(
+            [sys.executable, "-m", "cnl_beat_django", "setup"],
+            env=self.env,
+            cwd=str(HERE),
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+
+    def start_worker(self, *, pool: str = "threads", concurrency: int = 4) -> Proc:
+        index = len(self.workers)
+        proc = Proc(
+            f"worker{index}",
+            [
+                CELERY,
+                "-A",
+                "cnl_beat_app",
+                "worker",
+                "-P",
+                pool,
+                "-c",
+                str(concurrency),
+                "-Q",
+                self.queue,
+                "-n",
+                f"w{index}-{self.queue}@%h",
+                "-l",
+                "INFO",
+            ],
+            self.env,
+            self.tmp / f"worker{index}.log",
+        )
+        self.workers.append(proc)
+        return proc
+
+    def start_beat(self) -> Proc:
+        index = len(self.beats)
+        proc = Proc(
+            f"beat{index}",
+            [
+                CELERY,
+                "-A",
+                "cnl_beat_app",
+                "beat",
+                "-S",
+                self.scheduler,
+                "-s",
+                str(self.tmp / f"schedule{index}"),
+                "-l",
+                "INFO",
+            ],
+            self.env,
+            self.tmp / f"beat{index}.log",
+        )
+        self.beats.append(proc)
+        return proc
+
+    def start_embedded(self) -> Proc:
+        """A worker with its embedded beat (``celery worker -B``).
+
+        It consumes a queue of its own, so that stopping it at the end loses
+        no tick: the plain worker executes them.
+        """
+        index = len(self.embedded)
+        proc = Proc(
+            f"worker-B{index}",
+            [
+                CELERY,
+                "-A",
+                "cnl_beat_app",
+                "worker",
+                "-B",
+                # (for `celery worker`, -S is --statedb)
+                "--scheduler",
+                self.scheduler,
+                "-s",
+                str(self.tmp / f"schedule-w{index}"),
+                "-P",
+                "prefork",
+                "-c",
+                "2",
+                "-Q",
+                f"{self.queue}-idle",
+                "-n",
+                f"wb{index}-{self.queue}@%h",
+                "-l",
+                "INFO",
+            ],
+            self.env,
+            self.tmp / f"worker-B{index}.log",
+        )
+        self.embedded.append(proc)
+        return proc
+
+    # ----------------------------------------------------------- queries
+
+    def runs(self, entry: str | None = None) -> list[Run]:
+        runs = [r for r in self.ledger.runs() if r.entry is not None and r.tick is not None]
+        return [r for r in runs if entry is None or r.entry == entry]
+
+    def leader_pid(self) -> int | None:
+        record = self.recorder.leader()
+        if record is None:
+            return None
+        pid = record.meta.get("pid")
+        return int(pid) if pid is not None else None
+
+    def beat_by_pid(self, pid: int) -> Proc | None:
+        """The replica whose beat runs as ``pid`` (a beat, or a worker hosting it)."""
+        for proc in self.beats:
+            if proc.pid == pid:
+                return proc
+        for proc in self.embedded:
+            with contextlib.suppress(ProcessLookupError):
+                if os.getpgid(pid) == proc.pid:
+                    return proc
+        return None
+
+    def wait_new_term(self, after: int, timeout: float = FAILOVER + 10) -> LeaderRecord:
+        """Wait for a term of the beat role newer than epoch ``after``."""
+
+        def found() -> LeaderRecord | None:
+            record = self.recorder.leader()
+            return record if record is not None and record.epoch > after else None
+
+        return wait_for(found, timeout, f"a beat term after epoch {after}", self.diagnostics)
+
+    def drain(self) -> None:
+        """Stop every scheduler, then wait until the worker ran every committed tick."""
+        for proc in [*self.beats, *self.embedded]:
+            proc.stop()
+
+        def executed_all() -> bool:
+            runs = {(r.entry, r.tick) for r in self.runs()}
+            for spec in self.entries:
+                writes = self.recorder.state_writes(spec["name"])
+                final = writes[-1][1] if writes else None
+                if (
+                    final is not None
+                    and final.runs
+                    and (spec["name"], slot_text(final.slot)) not in runs
+                ):
+                    return False
+            return True
+
+        wait_for(executed_all, 30, "the worker to execute every committed tick", self.diagnostics)
+
+    def wait_leader(self, exclude: tuple[Proc, ...] = (), timeout: float = 30.0) -> LeaderRecord:
+        """Wait for a term held by a replica not in ``exclude``."""
+        excluded = {p.pid for p in exclude}
+
+        def found() -> LeaderRecord | None:
+            record = self.recorder.leader()
+            if record is None:
+                return None
+            proc = self.beat_by_pid(int(record.meta.get("pid", 0)))
+            return record if proc is not None and proc.pid not in excluded else None
+
+        return wait_for(found, timeout, f"a beat leader not in {exclude}", self.diagnostics)
+
+    def wait_runs_by(self, epoch: int, count: int, timeout: float = 30.0) -> None:
+        """Wait until ``count`` ticks of every entry were executed under ``epoch``."""
+
+        def done() -> bool:
+            runs = self.runs()
+            return all(
+                sum(1 for r in runs if r.entry == e["name"] and r.epoch == epoch) >= count
+                for e in self.entries
+                if e["kind"] != "cron"
+            )
+
+        wait_for(
+            done, timeout, f"{count} ticks of every entry under epoch {epoch}", self.diagnostics
+        )
+
+    def diagnostics(self) -> str:
+        terms = sorted(self.recorder.terms().items())
+        parts = [
+            f"terms: {[(e, r.id, r.meta.get('pid')) for e, r in terms]}",
+            f"runs: {[(r.entry, r.tick, r.epoch) for r in self.runs()][-30:]}",
+        ]
+        for proc in [*self.beats, *self.embedded, *self.workers]:
+            parts.append(f"--- {proc} log tail:\n{proc.log()[-4000:]}")
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        for proc in [*self.beats, *self.embedded, *self.workers]:
+            with contextlib.suppress(Exception):
+                proc.signal(signal.SIGCONT)
+        for proc in [*self.beats, *self.embedded, *self.workers]:
+            proc.stop()
+        self.recorder.stop()
+        self.ledger.close()

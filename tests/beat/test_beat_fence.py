@@ -1,0 +1,92 @@
+"""The worker-side fence: a task sent under an ended beat term does not run (opt-in).
+
+Tasks built on ``FencedBeatTask`` check the beat token in their message
+against the beat role's current term (one KV read) before the body runs.
+Three beat replicas dispatch such a task every second; after a failover,
+messages carrying the old term's token are refused, messages carrying the
+current one run, and messages without a token (not beat dispatches) run.
+"""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from cnl_beat_app import make_app
+from cnl_beat_harness import BeatCluster, wait_for
+
+from celery_nats_leader.beat import ENTRY_HEADER, ROLE_HEADER, TICK_HEADER, TOKEN_HEADER
+from celery_nats_leader.token import FencingToken
+
+pytestmark = [pytest.mark.integration, pytest.mark.celery, pytest.mark.timeout(180)]
+
+ENTRIES = [
+    {"name": "fenced-every-second", "kind": "interval", "seconds": 1, "task": "cnl_beat.fenced"}
+]
+
+
+def test_stale_term_refused_current_and_unfenced_run(
+    cluster_factory: Callable[..., BeatCluster], broker: Any
+) -> None:
+    cluster = cluster_factory(entries=ENTRIES)
+    cluster.start_worker()
+    for _ in range(3):
+        cluster.start_beat()
+    first = cluster.wait_leader()
+    cluster.wait_runs_by(first.epoch, 2)
+    killed = cluster.beat_by_pid(int(first.meta["pid"]))
+    assert killed is not None
+    killed.signal(signal.SIGKILL)
+    killed.wait(10)
+    second = cluster.wait_new_term(first.epoch)
+    cluster.wait_runs_by(second.epoch, 2)
+
+    client = make_app(cluster.config)
+    try:
+        stale = FencingToken(first.epoch, first.token).to_header()
+        current = FencingToken(second.epoch, second.token).to_header()
+        sent = {}
+        for label, headers in {
+            "stale": {TOKEN_HEADER: stale, ROLE_HEADER: "beat"},
+            "current": {TOKEN_HEADER: current, ROLE_HEADER: "beat"},
+            "malformed": {TOKEN_HEADER: "not-a-token", ROLE_HEADER: "beat"},
+            "unfenced": {},
+        }.items():
+            task_id = str(uuid.uuid4())
+            marks = {ENTRY_HEADER: f"manual-{label}", TICK_HEADER: label}
+            client.send_task(
+                "cnl_beat.fenced",
+                task_id=task_id,
+                queue=cluster.queue,
+                headers={**headers, **marks},
+            )
+            sent[label] = task_id
+    finally:
+        client.close()
+
+    def settled() -> bool:
+        ran = {r.task_id for r in cluster.ledger.runs("cnl_beat.fenced")}
+        refused = {row[1] for row in cluster.ledger.refusals()}
+        return all(task_id in ran | refused for task_id in sent.values())
+
+    wait_for(settled, 30, "the worker to run or refuse every manual message", cluster.diagnostics)
+    ran = {r.task_id for r in cluster.ledger.runs("cnl_beat.fenced")}
+    refusals = {row[1]: row for row in cluster.ledger.refusals()}
+    assert sent["current"] in ran and sent["unfenced"] in ran
+    assert sent["stale"] in refusals and sent["stale"] not in ran
+    assert (
+        "newer term" in refusals[sent["stale"]][5] or "current term" in refusals[sent["stale"]][5]
+    )
+    assert sent["malformed"] in refusals and sent["malformed"] not in ran
+    # Beat's own dispatches of the current term run.
+    beat_runs = [r for r in cluster.ledger.runs("cnl_beat.fenced") if r.entry == ENTRIES[0]["name"]]
+    assert any(r.epoch == second.epoch for r in beat_runs)
+    # Every refusal is one of the manual messages or a tick of the killed
+    # term that was still queued when the new term began (the documented
+    # price of the fence): never a tick of the current term.
+    for row in refusals.values():
+        if row[2] == ENTRIES[0]["name"]:
+            assert row[4] is not None and FencingToken.from_header(row[4]).epoch == first.epoch

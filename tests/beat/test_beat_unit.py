@@ -1,0 +1,554 @@
+"""Fast tests of the leader scheduler's logic, against the in-memory KV stub.
+
+Tick arithmetic, the state record, and the scheduler itself (two replicas on
+one in-memory server): followers never write, each tick is committed once,
+conflicts and a lost token dispatch nothing, a failed send hands the tick
+back, a new leader continues where the old one stopped. Schedules run on a
+manual clock (``nowfun``), so due times are exact. The same behaviour is
+exercised with real processes in the other test modules.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.schedules import crontab, schedule
+
+from celery_nats_leader.backend.base import KVEntry
+from celery_nats_leader.backend.memory import (
+    MemoryBackend,
+    MemoryServer,
+    _MemoryBucketState,
+    _Stored,
+)
+from celery_nats_leader.beat import (
+    ENTRY_HEADER,
+    RUN_HEADER,
+    TICK_HEADER,
+    TOKEN_HEADER,
+    LeaderScheduler,
+    check_dispatch_token,
+    tick_task_id,
+)
+from celery_nats_leader.beat_state import EntryState, decode_state, encode_state, state_key
+from celery_nats_leader.beat_ticks import TickPlanner, next_slot, parse_slot, slot_text
+from celery_nats_leader.elector import Elector
+from celery_nats_leader.errors import (
+    BucketConfigError,
+    BucketNotFoundError,
+    ConfigError,
+    NatsUnavailableError,
+)
+from celery_nats_leader.record import encode_record
+from celery_nats_leader.settings import LeaderSettings
+
+UTC = timezone.utc
+T0 = datetime(2024, 5, 1, 11, 59, 30, 250000, tzinfo=UTC)
+
+
+class ManualNow:
+    """A schedule clock the test moves by hand (one per test, see ``clock``)."""
+
+    def __init__(self, start: datetime = T0) -> None:
+        self.now = start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> datetime:
+        with self._lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += timedelta(seconds=seconds)
+
+
+_CLOCK = ManualNow()
+
+
+def manual_now() -> datetime:
+    """The ``nowfun`` of the test schedules (a module function: shelve pickles it)."""
+    return _CLOCK()
+
+
+# ------------------------------------------------------------ tick identity
+
+
+def test_interval_slots_are_anchor_plus_k_periods_whatever_the_clock() -> None:
+    every = schedule(timedelta(seconds=10))
+    anchor = T0
+    slots = []
+    last = anchor
+    for _ in range(5):
+        # Each computed on a different, skewed clock: the identity does not move.
+        slot_a = next_slot(every, last, T0 + timedelta(seconds=3))
+        slot_b = next_slot(every, last, T0 - timedelta(hours=2, seconds=17))
+        assert slot_a == slot_b
+        assert slot_a is not None
+        slots.append(slot_a)
+        last = slot_a
+    assert slots == [anchor + timedelta(seconds=10 * k) for k in range(1, 6)]
+
+
+def test_crontab_slots_are_cron_slots_in_the_app_timezone() -> None:
+    app = Celery("tz", set_as_current=False)
+    app.conf.timezone = "Europe/Paris"
+    daily = crontab(minute=0, hour=4, app=app)
+    now = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
+    slot = next_slot(daily, datetime(2024, 5, 1, 1, 0, tzinfo=UTC), now)
+    # 04:00 in Paris (UTC+2 in May) is 02:00 UTC.
+    assert slot == datetime(2024, 5, 1, 2, 0, tzinfo=UTC)
+    assert next_slot(daily, slot, now) == datetime(2024, 5, 2, 2, 0, tzinfo=UTC)
+    minutely = crontab(app=app)
+    assert next_slot(minutely, T0, now) == datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
+
+
+class OneShot:
+    """A schedule with a single slot, like django-celery-beat's ``clocked``."""
+
+    def __init__(self, at: datetime) -> None:
+        self.at = at
+        self.nowfun: Any = None
+
+    def now(self) -> datetime:
+        return self.nowfun() if self.nowfun else datetime.now(UTC)
+
+    def remaining_estimate(self, last_run_at: datetime) -> timedelta:
+        return self.at - self.now()
+
+
+def test_a_schedule_without_further_slots_has_none() -> None:
+    once = OneShot(T0 + timedelta(minutes=5))
+    slot = next_slot(once, T0, T0)
+    assert slot == T0 + timedelta(minutes=5)
+    assert next_slot(once, slot, T0 + timedelta(hours=1)) is None
+    plan = TickPlanner(10).plan("once", once, slot, T0 + timedelta(hours=1))
+    assert plan.slot is None and not plan.due
+
+
+def test_overdue_ticks_are_caught_up_one_by_one_up_to_the_limit() -> None:
+    every = schedule(timedelta(seconds=1))
+    planner = TickPlanner(max_catch_up=10)
+    now = T0 + timedelta(seconds=5.5)
+    plan = planner.plan("e", every, T0, now)
+    assert plan.due and plan.slot == T0 + timedelta(seconds=1) and plan.skipped == 0
+    # Beyond the limit: all but the latest overdue tick are skipped.
+    later = T0 + timedelta(seconds=50.5)
+    plan = planner.plan("e", every, T0, later)
+    assert plan.due and plan.slot == T0 + timedelta(seconds=50) and plan.skipped == 49
+    # Not due yet: how long to wait.
+    plan = planner.plan("e", every, T0, T0 + timedelta(seconds=0.25))
+    assert not plan.due and plan.wait == pytest.approx(0.75)
+
+
+# ------------------------------------------------------------------ state
+
+
+def test_state_round_trip_and_keys() -> None:
+    state = EntryState(entry="send report", slot=T0, runs=3, epoch=7, by="h:1:a", commit="c")
+    assert decode_state(encode_state(state), 42) == EntryState(
+        entry="send report", slot=T0, runs=3, epoch=7, by="h:1:a", commit="c", revision=42
+    )
+    keys = {state_key("beat", name) for name in ("a b", "a_b", "a.b", "ä", "", "x" * 300)}
+    assert len(keys) == 6
+    for key in keys:
+        assert key.startswith("beat.") and ".." not in key and not key.endswith(".")
+    assert parse_slot(slot_text(T0)) == T0
+
+
+def test_settings_reject_bad_beat_values() -> None:
+    assert LeaderSettings(bucket="elections").beat_state_bucket == "elections_beat"
+    with pytest.raises(ConfigError, match="beat_max_catch_up"):
+        LeaderSettings(beat_max_catch_up=-1)
+    with pytest.raises(ConfigError, match="beat_follower_interval"):
+        LeaderSettings(beat_follower_interval=0)
+    with pytest.raises(ConfigError, match="bucket"):
+        LeaderSettings(beat_state_bucket="no.dots")
+
+
+# -------------------------------------------------------------- scheduler
+
+
+class Sent:
+    def __init__(self, name: str, options: dict[str, Any]) -> None:
+        self.name = name
+        self.options = options
+        self.headers = options["headers"]
+        self.tick = parse_slot(self.headers[TICK_HEADER])
+
+
+class MemoryScheduler(LeaderScheduler):
+    """The real scheduler, on the in-memory KV, recording instead of sending."""
+
+    server: MemoryServer
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.sent: list[Sent] = []
+        self.syncs = 0
+        self.fail_sends = 0
+        super().__init__(*args, **kwargs)
+
+    def make_elector(self) -> Elector:
+        server = self.server
+        return Elector(backend_factory=lambda: MemoryBackend(server))
+
+    def apply_async(self, entry: Any, producer: Any = None, advance: bool = True, **kw: Any) -> Any:
+        if self.fail_sends:
+            self.fail_sends -= 1
+            raise ConnectionError("broker down")
+        self.sent.append(Sent(entry.name, entry.options))
+        return None
+
+    @property
+    def producer(self) -> Any:
+        return None
+
+    def sync(self) -> None:
+        self.syncs += 1
+        super().sync()
+
+
+@pytest.fixture
+def server() -> MemoryServer:
+    return MemoryServer()
+
+
+@pytest.fixture
+def clock() -> ManualNow:
+    _CLOCK.now = T0
+    return _CLOCK
+
+
+@pytest.fixture
+def make(server: MemoryServer, clock: ManualNow, tmp_path: Path) -> Iterator[Any]:
+    made: list[MemoryScheduler] = []
+
+    def factory(name: str, **conf: Any) -> MemoryScheduler:
+        app = Celery(f"unit-{name}", set_as_current=False)
+        app.conf.update(
+            broker_url="memory://",
+            result_expires=None,
+            timezone="UTC",
+            beat_schedule={
+                "ten-seconds": {
+                    "task": "unit.ten",
+                    "schedule": schedule(timedelta(seconds=10), nowfun=manual_now),
+                },
+            },
+            nats_leader_ttl=1.0,
+            nats_leader_create_bucket=True,
+            nats_leader_required=True,
+            nats_leader_beat_follower_interval=0.05,
+            nats_leader_instance_id=f"unit-{name}",
+            **conf,
+        )
+        cls = type("Scheduler", (MemoryScheduler,), {"server": server})
+        scheduler = cls(
+            app=app, schedule_filename=str(tmp_path / f"schedule-{name}"), max_interval=5
+        )
+        made.append(scheduler)
+        return scheduler
+
+    yield factory
+    for scheduler in made:
+        scheduler.close()
+
+
+def poke(server: MemoryServer, bucket: str, key: str, value: bytes) -> int:
+    """Write into the in-memory KV behind every watch's back.
+
+    Like a write by another process whose watch event has not arrived yet:
+    only a read (the token validation, a compare-and-set) can notice it.
+    """
+    server.revision += 1
+    server.buckets[bucket].keys[key] = _Stored(
+        KVEntry(key, value, server.revision), server.clock.monotonic()
+    )
+    return server.revision
+
+
+def drive(scheduler: MemoryScheduler, passes: int = 20) -> None:
+    """Tick until nothing is due (a bounded number of passes)."""
+    for _ in range(passes):
+        if scheduler.tick() != 0.0:
+            return
+    raise AssertionError(f"still dispatching after {passes} passes")
+
+
+def leader_and_follower(make: Any) -> tuple[MemoryScheduler, MemoryScheduler]:
+    a = make("a")
+    assert a.beat_role is not None and a.beat_role.wait_for_leadership(5)
+    b = make("b")
+    assert not b.is_leader
+    return a, b
+
+
+def test_a_follower_tick_reads_and_writes_nothing(make: Any, server: MemoryServer) -> None:
+    a, b = leader_and_follower(make)
+    assert a.tick() >= 0  # the leader anchors its entry
+
+    def state() -> dict[str, int]:
+        keys = server.buckets["leaders_beat"].keys
+        return {key: stored.entry.revision for key, stored in keys.items()}
+
+    before, syncs = state(), b.syncs  # (setup syncs the definitions, once)
+    started = time.monotonic()
+    for _ in range(5):
+        assert b.tick() == 0.0
+    elapsed = time.monotonic() - started
+    # Bounded waits (beat_follower_interval each), then it looks again.
+    assert elapsed < 5 * 0.05 + 1.0
+    assert state() == before, "a follower wrote schedule state"
+    assert b.sent == [] and b.syncs == syncs and not b.should_sync()
+    assert b.entry_states() == {}
+
+
+def test_each_tick_dispatched_once_with_its_identity(make: Any, clock: ManualNow) -> None:
+    a, _ = leader_and_follower(make)
+    assert a.tick() > 0
+    anchor = a.entry_states()["ten-seconds"].slot
+    assert a.sent == []
+    clock.advance(10)
+    assert a.tick() == 0.0
+    assert a.tick() > 0  # nothing else due
+    [sent] = a.sent
+    assert sent.tick == anchor + timedelta(seconds=10)
+    token = a.beat_role.token if a.beat_role else None
+    assert token is not None and sent.headers[TOKEN_HEADER] == token.to_header()
+    assert sent.headers[ENTRY_HEADER] == "ten-seconds" and sent.headers[RUN_HEADER] == 1
+    assert sent.options["task_id"] == tick_task_id(
+        "leaders_beat", "beat", "ten-seconds", slot_text(sent.tick)
+    )
+    # The entry's own options are untouched (they may be persisted).
+    assert "task_id" not in a.schedule["ten-seconds"].options
+    state = a.entry_states()["ten-seconds"]
+    assert (state.slot, state.runs, state.epoch) == (sent.tick, 1, token.epoch)
+    assert a.schedule["ten-seconds"].total_run_count == 1
+
+
+def test_a_state_written_meanwhile_makes_the_dispatch_back_off(
+    make: Any, clock: ManualNow, server: MemoryServer
+) -> None:
+    a, _ = leader_and_follower(make)
+    a.tick()
+    state = a.entry_states()["ten-seconds"]
+    # Another scheduler that believed it led committed the next tick first.
+    other = state.advanced(state.slot + timedelta(seconds=10), epoch=state.epoch, by="someone")
+    key = state_key("beat", "ten-seconds")
+    assert server.buckets["leaders_beat"].keys[key].entry.revision == state.revision
+    poke(server, "leaders_beat", key, encode_state(other))
+    clock.advance(10)
+    assert a.tick() == 0.0
+    assert a.sent == [], "the tick committed by someone else was dispatched again"
+    assert a.entry_states()["ten-seconds"].by == "someone"
+    clock.advance(10)
+    a.tick()
+    assert [s.tick for s in a.sent] == [state.slot + timedelta(seconds=20)]
+
+
+def test_a_lost_token_dispatches_nothing_and_demotes(
+    make: Any, clock: ManualNow, server: MemoryServer
+) -> None:
+    a, _ = leader_and_follower(make)
+    a.tick()
+    # The role's key now holds another term (as after this process was paused).
+    record = encode_record(instance_id="x", token="t", epoch=None, priority=0, meta={})
+    revision = poke(server, "leaders", "beat", record)
+    clock.advance(10)
+    a.tick()
+    assert a.sent == []
+    assert not a.is_leader
+    assert (
+        server.buckets["leaders_beat"].keys[state_key("beat", "ten-seconds")].entry.revision
+        < revision
+    )
+
+
+def test_a_failed_send_hands_the_tick_back(make: Any, clock: ManualNow, caplog: Any) -> None:
+    a, _ = leader_and_follower(make)
+    a.tick()
+    before = a.entry_states()["ten-seconds"]
+    a.fail_sends = 1
+    clock.advance(10)
+    with caplog.at_level(logging.WARNING, logger="celery_nats_leader.beat"):
+        a.tick()
+    assert a.sent == []
+    undone = a.entry_states()["ten-seconds"]
+    assert (undone.slot, undone.runs) == (before.slot, before.runs)
+    assert "commit undone" in caplog.text
+    a.tick()
+    assert [s.tick for s in a.sent] == [before.slot + timedelta(seconds=10)]
+
+
+def test_the_lease_ending_before_the_send_hands_the_tick_back(make: Any, clock: ManualNow) -> None:
+    a, _ = leader_and_follower(make)
+    a.tick()
+    before = a.entry_states()["ten-seconds"]
+    handle = a.beat_role
+    assert handle is not None
+    store = a._nl_store
+    assert store is not None
+    real_update = store.update
+    committed: list[Any] = []
+
+    def update(state: EntryState, *, last: int) -> EntryState:
+        result = real_update(state, last=last)
+        if not committed:
+            committed.append(result)
+            # The lease runs out right after the commit (a pause, a slow loop).
+            handle.election._lease_deadline = 0.0  # type: ignore[attr-defined]
+        return result
+
+    store.update = update  # type: ignore[method-assign]
+    clock.advance(10)
+    a.tick()
+    assert committed and a.sent == []
+    assert a.entry_states()["ten-seconds"].slot == before.slot
+
+
+def test_a_new_leader_continues_without_duplicate_or_gap(make: Any, clock: ManualNow) -> None:
+    a, b = leader_and_follower(make)
+    a.tick()
+    for _ in range(3):
+        clock.advance(10)
+        a.tick()
+    assert len(a.sent) == 3
+    last = a.sent[-1].tick
+    a.close()  # releases the role: b takes over
+    assert b.beat_role is not None and b.beat_role.wait_for_leadership(5)
+    # Three ticks were missed during the hand-over: each is dispatched once.
+    clock.advance(30)
+    drive(b)
+    assert [s.tick for s in b.sent] == [last + timedelta(seconds=10 * k) for k in (1, 2, 3)]
+    assert b.entry_states()["ten-seconds"].runs == 6
+
+
+def test_too_many_overdue_ticks_are_coalesced(make: Any, clock: ManualNow, caplog: Any) -> None:
+    a = make("a", nats_leader_beat_max_catch_up=2)
+    assert a.beat_role is not None and a.beat_role.wait_for_leadership(5)
+    a.tick()
+    anchor = a.entry_states()["ten-seconds"].slot
+    clock.advance(100)
+    with caplog.at_level(logging.WARNING, logger="celery_nats_leader.beat"):
+        drive(a)
+    assert [s.tick for s in a.sent] == [anchor + timedelta(seconds=100)]
+    state = a.entry_states()["ten-seconds"]
+    assert (state.runs, state.skipped) == (1, 9)
+    assert "skipped all but the latest" in caplog.text
+
+
+def test_a_gate_holds_a_due_tick(make: Any, clock: ManualNow) -> None:
+    a, _ = leader_and_follower(make)
+    gated: list[str] = []
+
+    def gate(entry: Any, state: EntryState) -> float | None:
+        gated.append(entry.name)
+        return 2.5
+
+    a.dispatch_gate = gate  # type: ignore[method-assign]
+    a.tick()
+    clock.advance(10)
+    assert a.tick() == 2.5
+    assert a.sent == [] and gated == ["ten-seconds"]
+
+
+class DueEveryOtherCheck:
+    """A custom schedule with ``is_due`` only (no ``remaining_estimate``)."""
+
+    def __init__(self) -> None:
+        self.nowfun: Any = None
+        self.checks = 0
+
+    def now(self) -> datetime:
+        return manual_now()
+
+    def remaining_estimate(self, last_run_at: datetime) -> timedelta:
+        raise NotImplementedError
+
+    def is_due(self, last_run_at: datetime) -> tuple[bool, float]:
+        self.checks += 1
+        return (self.checks % 2 == 0, 3.0)
+
+
+class Broken(DueEveryOtherCheck):
+    """A schedule that cannot say when it is due."""
+
+    def is_due(self, last_run_at: datetime) -> tuple[bool, float]:
+        raise ValueError("broken schedule")
+
+
+def test_a_schedule_without_slots_still_dispatches_once_per_due_check(
+    make: Any, clock: ManualNow
+) -> None:
+    a, _ = leader_and_follower(make)
+    entry = a.schedule["ten-seconds"]
+    entry.schedule = DueEveryOtherCheck()
+    a.tick()
+    assert a.tick() == 0.0
+    [sent] = a.sent
+    assert sent.tick == clock.now
+    assert a.tick() == 3.0
+    assert len(a.sent) == 1
+
+
+def test_an_entry_that_cannot_be_calculated_does_not_stop_the_others(
+    make: Any, clock: ManualNow, caplog: Any
+) -> None:
+    a, _ = leader_and_follower(make)
+    a.add(name="broken", task="unit.broken", schedule=Broken())
+    a.tick()
+    clock.advance(10)
+    with caplog.at_level(logging.ERROR, logger="celery_nats_leader.beat"):
+        drive(a)
+        drive(a)
+    assert [s.name for s in a.sent] == ["ten-seconds"]
+    assert caplog.text.count("cannot calculate the next run of 'broken'") == 1
+
+
+def test_a_persistent_state_bucket_with_max_age_is_refused(make: Any, server: MemoryServer) -> None:
+    server.buckets["leaders_beat"] = _MemoryBucketState(ttl=60.0)
+    with pytest.raises(BucketConfigError, match="must not expire"):
+        make("a")
+
+
+def test_a_missing_state_bucket_stops_beat_with_the_command_to_fix_it(
+    server: MemoryServer, tmp_path: Path
+) -> None:
+    server.buckets["leaders"] = _MemoryBucketState(ttl=1.0)
+    app = Celery("missing", set_as_current=False)
+    app.conf.update(broker_url="memory://", nats_leader_ttl=1.0, nats_leader_required=True)
+    cls = type("Scheduler", (MemoryScheduler,), {"server": server})
+    with pytest.raises(BucketNotFoundError, match="leaders_beat"):
+        cls(app=app, schedule_filename=str(tmp_path / "s"), max_interval=1)
+
+
+def test_unreachable_nats_with_required_stops_beat_loudly(tmp_path: Path) -> None:
+    app = Celery("unreachable", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        nats_leader_servers="nats://127.0.0.1:1",
+        nats_leader_required=True,
+        nats_leader_start_timeout=1.0,
+    )
+    with pytest.raises(NatsUnavailableError):
+        LeaderScheduler(app=app, schedule_filename=str(tmp_path / "s"), max_interval=1)
+
+
+def test_dispatch_check_without_io_for_unfenced_and_malformed() -> None:
+    app = Celery("check", set_as_current=False)
+
+    class Request:
+        def __init__(self, headers: dict[str, Any]) -> None:
+            self.headers = headers
+
+    verdict = check_dispatch_token(Request({}), app)
+    assert verdict.ok and not verdict.fenced
+    verdict = check_dispatch_token(Request({TOKEN_HEADER: "nope"}), app)
+    assert not verdict.ok and verdict.fenced and "malformed" in verdict.reason
