@@ -47,6 +47,8 @@ _LAZY = {
     "LeaderTask": "celery_nats_leader.tasks",
     "leader_promoted": "celery_nats_leader.signals",
     "leader_demoted": "celery_nats_leader.signals",
+    "LeaderScheduler": "celery_nats_leader.beat",
+    "LeaderSchedulerMixin": "celery_nats_leader.beat",
 }
 
 

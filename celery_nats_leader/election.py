@@ -628,7 +628,14 @@ class Election:
         if old is new:
             return
         self._state = new
-        logger.info("%s: %s -> %s (%s)", self.role, old.value, new.value, self.instance_id)
+        # Leading or not is news; a follower's campaigns (many while it waits
+        # for an old key to expire) are detail.
+        level = (
+            logging.INFO
+            if ElectionState.LEADER in (old, new) or new is ElectionState.STOPPED
+            else logging.DEBUG
+        )
+        logger.log(level, "%s: %s -> %s (%s)", self.role, old.value, new.value, self.instance_id)
         self._observer.state_changed(self.role, self.instance_id, old.value, new.value)
         decided = new is ElectionState.LEADER or (
             new is ElectionState.FOLLOWER and old is ElectionState.CANDIDATE

@@ -37,6 +37,11 @@ from celery_nats_leader.beat import (
     FencedBeatTask,
     check_dispatch_token,
 )
+from celery_nats_leader.testing import kombu_fs
+
+# kombu's filesystem transport writes a message file non-atomically: a polling
+# consumer can read it empty and die. Tests use the atomic variant.
+kombu_fs.register()
 
 CONFIG: dict[str, Any] = json.loads(os.environ.get("CNL_BEAT_CONFIG", "{}"))
 #: The schedule clock of fastcron entries (set by make_app).

@@ -42,7 +42,7 @@ def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Broker]:
             path.mkdir()
         spec = Broker(
             kind,
-            "filesystem://",
+            "atomicfs://",  # kombu's filesystem transport, written atomically
             {
                 "data_folder_in": str(data),
                 "data_folder_out": str(data),
