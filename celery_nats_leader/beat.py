@@ -27,7 +27,7 @@ Each dispatch, by the leader only:
 Delivery is **at most once per tick** (commit, then send): a crash between the
 commit and the send loses that one tick (the commit log line names it); every
 other failure either dispatches the tick exactly once or leaves it to the next
-attempt. See ``docs/beat.md``.
+attempt. See the README's celery beat section.
 
 Workers can opt in to rejecting tasks sent under an ended term: use
 :class:`FencedBeatTask` as the task base, or call :func:`enforce_dispatch_token`

@@ -156,7 +156,7 @@ class StatusReport:
         return not self.leaderless
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``election_status --json`` document (see ``docs/django.md``)."""
+        """The ``election_status --json`` document (see the README's Django section)."""
         return {
             "schema_version": STATUS_SCHEMA_VERSION,
             "bucket": self.bucket,

@@ -51,7 +51,7 @@ class Command(BaseCommand):
             help="Only this role (repeatable); it must have a leader.",
         )
         parser.add_argument(
-            "--json", action="store_true", help="Print JSON (schema in docs/django.md)."
+            "--json", action="store_true", help="Print JSON (schema: README, Django section)."
         )
         parser.add_argument(
             "--watch", action="store_true", help="Refresh the view until interrupted."
