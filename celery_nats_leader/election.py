@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import inspect
 import json
 import logging
 import random
@@ -56,6 +55,7 @@ from celery_nats_leader.errors import (
     RecordFormatError,
     RevisionMismatchError,
 )
+from celery_nats_leader.health import watch_health
 from celery_nats_leader.observer import ElectionObserver, NullObserver
 from celery_nats_leader.record import LeaderRecord, decode_record, encode_record
 from celery_nats_leader.token import FencingToken
@@ -1018,7 +1018,8 @@ class Election:
         self._callbacks.submit(self._promote_callbacks, token)
         if cfg.health_check is not None:
             self._health_task = asyncio.get_running_loop().create_task(
-                self._health_loop(token), name=f"health-{cfg.role}"
+                watch_health(cfg, lambda: self._token is token, self._resign_unhealthy),
+                name=f"health-{cfg.role}",
             )
 
     def _confirm(self, send: float) -> None:
@@ -1216,6 +1217,10 @@ class Election:
         self._demote(reason)
         return send
 
+    def _resign_unhealthy(self) -> None:
+        self._release_reason = DemoteReason.HEALTH_CHECK_FAILED
+        self.wake()
+
     async def _release(self, reason: DemoteReason) -> None:
         """Graceful hand-over: demote callbacks first, then delete our key."""
         token, revision = self._token, self._revision
@@ -1259,40 +1264,6 @@ class Election:
                 logger.info("%s: released the key (epoch %d)", self.role, token.epoch)
         except ElectionError as exc:
             logger.warning("%s: could not release the key (%s); it will expire", self.role, exc)
-
-    async def _health_loop(self, token: FencingToken) -> None:
-        cfg = self.config
-        check = cfg.health_check
-        assert check is not None
-        failures = 0
-        loop = asyncio.get_running_loop()
-        while self._token is token:
-            await asyncio.sleep(cfg.health_check_interval)
-            try:
-                if inspect.iscoroutinefunction(check):
-                    healthy = await asyncio.wait_for(check(), cfg.heartbeat_interval)
-                else:
-                    result = await asyncio.wait_for(
-                        loop.run_in_executor(None, check), cfg.heartbeat_interval
-                    )
-                    healthy = await result if inspect.isawaitable(result) else result
-            except Exception:
-                logger.exception("%s: health check raised", self.role)
-                healthy = False
-            failures = 0 if healthy else failures + 1
-            if failures:
-                logger.warning(
-                    "%s: health check failed (%d/%d)",
-                    self.role,
-                    failures,
-                    cfg.health_check_failures,
-                )
-            if failures >= cfg.health_check_failures and self._token is token:
-                self._release_reason = DemoteReason.HEALTH_CHECK_FAILED
-                self.wake()
-                return
-
-    # --------------------------------------------------------- side channel
 
     async def _announce(self, body: dict[str, Any]) -> None:
         if self._backend is None:
