@@ -85,24 +85,18 @@ from celery_nats_leader.allcall_protocol import (
     encode_message,
     new_epoch,
 )
-from celery_nats_leader.backend.base import Backend, Subscription
-from celery_nats_leader.backend.jetstream import JetStreamBackend
-from celery_nats_leader.callbacks import CallbackRunner
-from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
+from celery_nats_leader.backend.base import Backend
+from celery_nats_leader.clock import Clock
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.connection import ConnectionListener, ConnectOptions, connect
-from celery_nats_leader.election import (
-    DemoteCallback,
+from celery_nats_leader.connection import ConnectOptions
+from celery_nats_leader.election_base import (
+    BaseElection,
     DemoteReason,
     ElectionState,
-    ErrorCallback,
-    LeaderChangeCallback,
-    PromoteCallback,
     control_subject,
 )
-from celery_nats_leader.errors import ConfigError, ElectionError, ElectionStoppedError
-from celery_nats_leader.health import watch_health
-from celery_nats_leader.observer import ElectionObserver, NullObserver
+from celery_nats_leader.errors import ConfigError, ElectionError
+from celery_nats_leader.observer import ElectionObserver
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
 
@@ -150,20 +144,7 @@ class _Probe:
             self.done.set()
 
 
-class _Listener(ConnectionListener):
-    """Wakes the election when its own connection goes down or comes back."""
-
-    def __init__(self, election: AllcallElection) -> None:
-        self._election = election
-
-    def disconnected(self) -> None:
-        self._election.wake()
-
-    def reconnected(self) -> None:
-        self._election.wake()
-
-
-class AllcallElection:
+class AllcallElection(BaseElection):
     """Leader election for one role with the ALLCALL algorithm (core NATS only).
 
     Implements :class:`~celery_nats_leader.interface.LeaderElection` with the
@@ -187,10 +168,20 @@ class AllcallElection:
             Default :func:`time.time`; when only ``clock`` is injected, a wall
             clock that advances with ``clock`` (for deterministic tests).
 
+    Demote reasons used by ALLCALL: ``STOPPED``, ``RESIGNED``, ``TAKEOVER``,
+    ``HEALTH_CHECK_FAILED``, ``LEASE_EXPIRED`` (renewals not echoed in time),
+    ``DISCONNECTED`` (longer than ``disconnect_grace``), ``REVISION_CHANGED``
+    (a better claim of another leader was heard) and ``TOKEN_MISMATCH`` (a
+    concurrent term with a higher epoch was heard: this process starts a new
+    term at once, with a new token).
+
     Raises:
         ConfigError: If ``config.strategy`` is not ``"allcall"``.
 
     """
+
+    _logger = logger
+    _name_prefix = "allcall"
 
     def __init__(
         self,
@@ -209,18 +200,17 @@ class AllcallElection:
                 f"AllcallElection needs ElectionConfig(strategy='allcall'), got "
                 f"strategy={config.strategy!r}; use new_election() to pick the class"
             )
-        self.config = config
-        self._connection = connection
-        self._connect_options = connect_options
-        self._backend: Backend | None = backend
-        self._own_connection: Client | None = None
-        self._clock = clock or SYSTEM_CLOCK
+        super().__init__(
+            config,
+            connection,
+            connect_options=connect_options,
+            backend=backend,
+            clock=clock,
+            observer=observer,
+            rng=rng,
+        )
         self._wall = wall_clock or _default_wall_clock(clock)
-        self._observer: ElectionObserver = observer or NullObserver()
-        self._rng = rng or random.Random()
         self._tiebreak = self._rng.getrandbits(TIEBREAK_BITS)
-        self._state = ElectionState.INIT
-        self._error: ElectionError | None = None
         self._subjects = {
             verb: control_subject(config.bucket, config.role, verb)
             for verb in (ALLCALL_VERB, REPLY_VERB, c.ROSTER_VERB, c.RESIGN_VERB)
@@ -229,8 +219,6 @@ class AllcallElection:
         # Phase and eligibility.
         self._phase = Phase.INIT
         self._init_until = 0.0
-        self._sit_out_until = 0.0
-        self._disconnected_since: float | None = None
 
         # What this process believes about the role.
         self._claim: Claim | None = None
@@ -239,15 +227,9 @@ class AllcallElection:
         self._released: deque[tuple[str, int]] = deque(maxlen=REMEMBERED_RELEASES)
 
         # Leader side.
-        self._token: FencingToken | None = None
-        self._lease_deadline = 0.0
-        self._term_started_at = 0.0
         self._candidate_until = 0.0
-        self._last_confirmed_send = 0.0
         self._pending: dict[int, _Pending] = {}
-        self._release_reason: DemoteReason | None = None
         self._reterm = False
-        self._health_task: asyncio.Task[None] | None = None
         self._echo_seen = False
 
         # Rounds: who answered our allcalls in the current and the last round.
@@ -258,31 +240,9 @@ class AllcallElection:
         self._members: dict[str, Member] = {}
         self._probes: dict[int, _Probe] = {}
         self._evaluate_now = False
-        self._next_takeover_at = 0.0
         self._warned_mixed = False
 
-        self._promote_callbacks: list[PromoteCallback] = []
-        self._demote_callbacks: list[DemoteCallback] = []
-        self._change_callbacks: list[LeaderChangeCallback] = []
-        self._error_callbacks: list[ErrorCallback] = []
-        self._callbacks = CallbackRunner(f"{config.role}")
-        self._wake: asyncio.Event | None = None
-        self._decided: asyncio.Event | None = None
-        self._leading: asyncio.Event | None = None
-        self._main_task: asyncio.Task[None] | None = None
-        self._subscriptions: list[Subscription] = []
-
     # ------------------------------------------------------------------ API
-
-    @property
-    def role(self) -> str:
-        """The role this election is for."""
-        return self.config.role
-
-    @property
-    def instance_id(self) -> str:
-        """The id of this candidate."""
-        return self.config.instance_id
 
     @property
     def rank(self) -> tuple[int, int, str]:
@@ -293,28 +253,6 @@ class AllcallElection:
     def phase(self) -> str:
         """``"init"`` or ``"ping"`` (see :class:`Phase`)."""
         return self._phase
-
-    @property
-    def state(self) -> ElectionState:
-        """The current state (a leader past its lease reports ``FOLLOWER``)."""
-        if self._state is ElectionState.LEADER and not self._lease_valid():
-            return ElectionState.FOLLOWER
-        return self._state
-
-    @property
-    def is_leader(self) -> bool:
-        """Whether this process leads the role *now*.
-
-        Checked against the local lease deadline on the monotonic clock at
-        every call, so it turns ``False`` on time even if the event loop is
-        late. Safe to read from any thread.
-        """
-        return self._state is ElectionState.LEADER and self._lease_valid()
-
-    @property
-    def token(self) -> FencingToken | None:
-        """The current term's fencing token while leading, else ``None``."""
-        return self._token if self.is_leader else None
 
     @property
     def leader(self) -> LeaderRecord | None:
@@ -329,66 +267,6 @@ class AllcallElection:
         """The id of the leader currently honoured, or ``None`` when the role looks free."""
         claim = self._claim
         return claim.id if claim is not None else None
-
-    @property
-    def error(self) -> ElectionError | None:
-        """The permanent error that stopped the election, if any."""
-        return self._error
-
-    @property
-    def lease_remaining(self) -> float:
-        """Seconds left on the local lease (0 when not leading)."""
-        if self._state is not ElectionState.LEADER:
-            return 0.0
-        return max(0.0, self._lease_deadline - self._clock.monotonic())
-
-    def bind(self, backend: Backend) -> None:
-        """Use ``backend`` (a connection shared with other roles) instead of connecting.
-
-        Raises:
-            ElectionStoppedError: If the election was started already.
-
-        """
-        if self._state is not ElectionState.INIT:
-            raise ElectionStoppedError("bind() must be called before start()")
-        self._backend = backend
-
-    def wake(self) -> None:
-        """Re-evaluate now; called when the connection goes down or comes back."""
-        if self._wake is not None:
-            self._wake.set()
-
-    def on_promote(self, callback: PromoteCallback) -> PromoteCallback:
-        """Register ``callback(token)``, called when this process becomes leader.
-
-        Usable as a decorator. Sync callbacks run on a worker thread, async
-        ones on the loop; either way never on the allcall path.
-        """
-        self._promote_callbacks.append(callback)
-        return callback
-
-    def on_demote(self, callback: DemoteCallback) -> DemoteCallback:
-        """Register ``callback(reason)``, called when this process stops leading.
-
-        Reasons used by ALLCALL: ``STOPPED``, ``RESIGNED``, ``TAKEOVER``,
-        ``HEALTH_CHECK_FAILED``, ``LEASE_EXPIRED`` (renewals not echoed in
-        time), ``DISCONNECTED`` (longer than ``disconnect_grace``),
-        ``REVISION_CHANGED`` (a better claim of another leader was heard) and
-        ``TOKEN_MISMATCH`` (a concurrent term with a higher epoch was heard:
-        this process starts a new term at once, with a new token).
-        """
-        self._demote_callbacks.append(callback)
-        return callback
-
-    def on_leader_change(self, callback: LeaderChangeCallback) -> LeaderChangeCallback:
-        """Register ``callback(record_or_None)``, called when the honoured claim changes."""
-        self._change_callbacks.append(callback)
-        return callback
-
-    def on_error(self, callback: ErrorCallback) -> ErrorCallback:
-        """Register ``callback(error)``, called when an error stops the election."""
-        self._error_callbacks.append(callback)
-        return callback
 
     async def start(self, *, wait: float | None = None) -> None:
         """Join the election.
@@ -410,13 +288,8 @@ class AllcallElection:
             ElectionStoppedError: The election was started before.
 
         """
-        if self._state is not ElectionState.INIT:
-            raise ElectionStoppedError(f"election for {self.role!r} was already started")
         cfg = self.config
-        self._wake = asyncio.Event()
-        self._decided = asyncio.Event()
-        self._leading = asyncio.Event()
-        backend = await self._open_backend()
+        backend = await self._prepare_start()
         self._callbacks.start()
         handlers = {
             ALLCALL_VERB: self._on_allcall,
@@ -436,12 +309,9 @@ class AllcallElection:
             self._tiebreak >> (TIEBREAK_BITS - 32),
             cfg.ttl + cfg.max_clock_skew,
         )
-        self._main_task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"allcall-{cfg.role}"
+        await self._launch(
+            2 * cfg.heartbeat_interval + cfg.request_timeout if wait is None else wait
         )
-        limit = 2 * cfg.heartbeat_interval + cfg.request_timeout if wait is None else wait
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._decided.wait(), limit)
 
     async def stop(self) -> None:
         """Leave the election.
@@ -470,16 +340,6 @@ class AllcallElection:
         if released is not None:
             logger.info("%s: released the term (epoch %d)", self.role, released.epoch)
         await self._teardown()
-
-    async def resign(self) -> None:
-        """Step down if leading: demote callbacks, then the term is released.
-
-        This process then sits out elections for one TTL, so that another
-        candidate takes the role (if there is none, it is elected again).
-        """
-        if self._state is not ElectionState.LEADER or self._wake is None:
-            return
-        await self._release(DemoteReason.RESIGNED)
 
     async def validate_token(self) -> bool:
         """Check, as far as ALLCALL can, that this process still holds its term.
@@ -525,40 +385,6 @@ class AllcallElection:
             )
         return ok
 
-    async def wait_for_leadership(self, timeout: float | None = None) -> bool:
-        """Wait until this process leads.
-
-        Args:
-            timeout: Seconds to wait; ``None`` waits indefinitely.
-
-        Returns:
-            ``True`` if leading, ``False`` if the timeout passed first.
-
-        Raises:
-            ElectionError: The election stopped on an error.
-            ElectionStoppedError: The election is stopped or was never started.
-
-        """
-        if self.is_leader:
-            return True
-        if self._leading is None or self._state is ElectionState.STOPPED:
-            if self._error is not None:
-                raise self._error
-            raise ElectionStoppedError(f"election for {self.role!r} is not running")
-        try:
-            await asyncio.wait_for(self._wait_leading(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        if self._error is not None:
-            raise self._error
-        return self.is_leader
-
-    async def _wait_leading(self) -> None:
-        assert self._leading is not None
-        while not self.is_leader and self._state is not ElectionState.STOPPED:
-            self._leading.clear()
-            await self._leading.wait()
-
     def describe(self) -> dict[str, Any]:
         """Describe this candidate as the roster and status commands show it.
 
@@ -600,67 +426,13 @@ class AllcallElection:
 
     # ------------------------------------------------------------ plumbing
 
-    async def _open_backend(self) -> Backend:
-        if self._backend is not None:
-            return self._backend
-        connection = self._connection
-        if connection is None:
-            connection = await connect(
-                self._connect_options or ConnectOptions(),
-                listeners=[_Listener(self)],
-                name=f"allcall-{self.role}",
-            )
-            self._own_connection = connection
-        # Only the core-NATS half of this backend is used: no JetStream call.
-        self._backend = JetStreamBackend(connection)
-        return self._backend
+    async def _respond(self, reply: str, body: Any) -> None:
+        # Unlike the KV strategy, a failed answer is dropped without a log.
+        with contextlib.suppress(ElectionError):
+            await super()._respond(reply, body)
 
-    async def _teardown(self) -> None:
-        for sub in self._subscriptions:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        self._subscriptions.clear()
-        if self._health_task is not None:
-            self._health_task.cancel()
-            self._health_task = None
-        await self._callbacks.stop()
-        if self._own_connection is not None:
-            with contextlib.suppress(Exception):
-                await self._own_connection.close()
-            self._own_connection = None
-        if self._leading is not None:
-            self._leading.set()
-
-    async def _cancel_main(self) -> None:
-        task, self._main_task = self._main_task, None
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _sleep_until(self, deadline: float) -> None:
-        """Wait until ``deadline`` (monotonic) or until something wakes us."""
-        assert self._wake is not None
-        delay = deadline - self._clock.monotonic()
-        if delay > 0:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), delay)
-        self._wake.clear()
-
-    def _lease_valid(self) -> bool:
-        return self._clock.monotonic() < self._lease_deadline
-
-    def _set_state(self, new: ElectionState) -> None:
-        old = self._state
-        if old is new:
-            return
-        self._state = new
-        logger.info("%s: %s -> %s (%s)", self.role, old.value, new.value, self.instance_id)
-        self._observer.state_changed(self.role, self.instance_id, old.value, new.value)
-        if new is ElectionState.LEADER and self._decided is not None:
-            self._decided.set()
-        if self._leading is not None:
-            self._leading.set()
+    def _may_take_over(self, leader_id: str, now: float) -> bool:
+        return leader_id != self.instance_id and self._eligible(now)
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -808,9 +580,7 @@ class AllcallElection:
         self._lease_deadline = 0.0
         self._pending.clear()
         self._reterm = False
-        if self._health_task is not None:
-            self._health_task.cancel()
-            self._health_task = None
+        self._stop_health_watch()
         if self._state in (ElectionState.LEADER, ElectionState.CANDIDATE):
             self._set_state(ElectionState.FOLLOWER)
 
@@ -931,56 +701,9 @@ class AllcallElection:
                 body.get("hello"),
             )
         if reply and self._backend is not None:
-            with contextlib.suppress(ElectionError):
-                await self._backend.publish(reply, json.dumps(self.describe()).encode())
-
-    async def _on_resign_request(self, data: bytes, reply: str | None) -> None:
-        try:
-            body = json.loads(data) if data else {}
-        except ValueError:
-            body = {}
-        if not isinstance(body, dict):
-            body = {}
-        leading = self.is_leader
-        priority = body.get("priority")
-        accepted = leading
-        if leading and isinstance(priority, int) and priority <= self.config.priority:
-            accepted = False  # a takeover request from a candidate not preferred over us
-        if accepted:
-            self._release_reason = (
-                DemoteReason.TAKEOVER if isinstance(priority, int) else DemoteReason.RESIGNED
-            )
-            logger.info(
-                "%s: asked to step down by %s", self.role, body.get("requester", "an operator")
-            )
-            self.wake()
-        if reply and self._backend is not None and leading:
-            answer = {"id": self.instance_id, "accepted": accepted}
-            with contextlib.suppress(ElectionError):
-                await self._backend.publish(reply, json.dumps(answer).encode())
+            await self._respond(reply, self.describe())
 
     # ----------------------------------------------------------- main loop
-
-    async def _run(self) -> None:
-        try:
-            await self._loop()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            logger.exception("%s: allcall loop crashed", self.role)
-            await self._fail(ElectionError(f"allcall loop crashed: {exc!r}"))
-
-    async def _fail(self, exc: ElectionError) -> None:
-        logger.error("%s: election stopped: %s", self.role, exc)
-        self._error = exc
-        if self._state is ElectionState.LEADER:
-            self._demote(DemoteReason.ERROR)
-        self._set_state(ElectionState.STOPPED)
-        if self._decided is not None:
-            self._decided.set()
-        await self._callbacks.submit(self._error_callbacks, exc)
-        self._main_task = None
-        await self._teardown()
 
     async def _loop(self) -> None:
         cfg = self.config
@@ -1097,7 +820,7 @@ class AllcallElection:
         claim = self._claim
         if self._state is ElectionState.FOLLOWER and claim is not None:
             # After the allcall: a takeover request may wait request_timeout.
-            await self._maybe_take_over(claim, now)
+            await self._maybe_take_over(claim.id, claim.priority, now)
 
     def _elect(self, now: float, wall: float, seq: int, candidates: set[str]) -> None:
         """The role is free: the eligible candidate of lowest rank starts a term."""
@@ -1174,7 +897,6 @@ class AllcallElection:
         self._sit_out_until = self._clock.monotonic() + self.config.ttl
 
     def _win(self, token: FencingToken) -> None:
-        cfg = self.config
         now = self._clock.monotonic()
         self._term_started_at = now
         self._release_reason = None
@@ -1182,15 +904,7 @@ class AllcallElection:
         self._observer.campaign(self.role, self.instance_id, True)
         logger.info("%s: promoted, epoch %d", self.role, token.epoch)
         self._callbacks.submit(self._promote_callbacks, token)
-        if cfg.health_check is not None:
-            self._health_task = asyncio.get_running_loop().create_task(
-                watch_health(cfg, lambda: self._token is token, self._resign_unhealthy),
-                name=f"health-{cfg.role}",
-            )
-
-    def _resign_unhealthy(self) -> None:
-        self._release_reason = DemoteReason.HEALTH_CHECK_FAILED
-        self.wake()
+        self._watch_health(token)
 
     async def _release(self, reason: DemoteReason) -> None:
         """Graceful hand-over: demote callbacks first, then broadcast the release."""
@@ -1207,30 +921,6 @@ class AllcallElection:
         await self._publish(ALLCALL_VERB, self._message("release", claim=claim))
         logger.info("%s: released the term (epoch %d)", self.role, claim.epoch)
         self.wake()
-
-    async def _maybe_take_over(self, leader: Claim, now: float) -> None:
-        cfg = self.config
-        if (
-            not cfg.allow_takeover
-            or leader.priority >= cfg.priority
-            or leader.id == self.instance_id
-            or now < self._next_takeover_at
-            or not self._eligible(now)
-        ):
-            return
-        self._next_takeover_at = now + cfg.ttl
-        assert self._backend is not None
-        request = json.dumps(
-            {"requester": cfg.instance_id, "priority": cfg.priority, "reason": "takeover"}
-        ).encode()
-        try:
-            reply = await self._backend.request(
-                self._subjects[c.RESIGN_VERB], request, timeout=cfg.request_timeout
-            )
-        except ElectionError as exc:
-            logger.debug("%s: takeover request unanswered: %s", self.role, exc)
-            return
-        logger.info("%s: asked leader %s to hand over: %s", self.role, leader.id, reply[:200])
 
 
 def _record(claim: Claim) -> LeaderRecord:

@@ -23,31 +23,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import json
 import logging
 import random
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client
 
 from celery_nats_leader import constants as c
-from celery_nats_leader.backend.base import Backend, Bucket, KVEntry, Operation, Subscription
+from celery_nats_leader.backend.base import Backend, Bucket, KVEntry, Operation
 from celery_nats_leader.backoff import Backoff
-from celery_nats_leader.callbacks import CallbackRunner
-from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
+from celery_nats_leader.clock import Clock
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.connection import ConnectionListener, ConnectOptions, connect
+from celery_nats_leader.connection import ConnectOptions
+from celery_nats_leader.election_base import (
+    BaseElection,
+    DemoteCallback,
+    DemoteReason,
+    ElectionState,
+    ErrorCallback,
+    LeaderChangeCallback,
+    PromoteCallback,
+    control_subject,
+)
 from celery_nats_leader.errors import (
     BackendError,
     BackendTimeoutError,
     BucketConfigError,
     BucketNotFoundError,
     ElectionError,
-    ElectionStoppedError,
     JetStreamUnavailableError,
     KeyExistsError,
     NotConnectedError,
@@ -55,8 +61,7 @@ from celery_nats_leader.errors import (
     RecordFormatError,
     RevisionMismatchError,
 )
-from celery_nats_leader.health import watch_health
-from celery_nats_leader.observer import ElectionObserver, NullObserver
+from celery_nats_leader.observer import ElectionObserver
 from celery_nats_leader.record import LeaderRecord, decode_record, encode_record
 from celery_nats_leader.token import FencingToken
 
@@ -74,81 +79,7 @@ PERMANENT_ERRORS = (
 _REMEMBERED_TOKENS = 16
 
 
-class ElectionState(str, enum.Enum):
-    """Where an election is in its life."""
-
-    INIT = "init"
-    CANDIDATE = "candidate"
-    LEADER = "leader"
-    FOLLOWER = "follower"
-    STOPPED = "stopped"
-
-
-class DemoteReason(str, enum.Enum):
-    """Why a leader stopped leading (passed to demote callbacks)."""
-
-    STOPPED = "stopped"
-    """:meth:`Election.stop` was called."""
-    RESIGNED = "resigned"
-    """:meth:`Election.resign` was called, or an operator asked."""
-    TAKEOVER = "takeover"
-    """A higher-priority candidate politely asked for the role."""
-    LEASE_EXPIRED = "lease_expired"
-    """No renewal was confirmed before the local lease deadline."""
-    REVISION_CHANGED = "revision_changed"
-    """Someone else wrote the key: the term is over."""
-    KEY_DELETED = "key_deleted"
-    """The key was deleted by someone else."""
-    TOKEN_MISMATCH = "token_mismatch"
-    """Validation found another term's token in the key."""
-    DISCONNECTED = "disconnected"
-    """The NATS connection was down longer than the disconnect grace."""
-    HEALTH_CHECK_FAILED = "health_check_failed"
-    """The health check failed too many times in a row."""
-    ERROR = "error"
-    """A permanent error (bucket deleted, permission denied) ended the election."""
-
-
-PromoteCallback = Callable[[FencingToken], "Awaitable[None] | None"]
-DemoteCallback = Callable[[DemoteReason], "Awaitable[None] | None"]
-LeaderChangeCallback = Callable[["LeaderRecord | None"], "Awaitable[None] | None"]
-ErrorCallback = Callable[[ElectionError], "Awaitable[None] | None"]
-
-
-class _Waker(ConnectionListener):
-    """Wakes an election when its own connection goes down or comes back."""
-
-    def __init__(self, election: Election) -> None:
-        self._election = election
-
-    def disconnected(self) -> None:
-        self._election.wake()
-
-    def reconnected(self) -> None:
-        self._election.wake()
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def control_subject(bucket: str, role: str, verb: str) -> str:
-    """Subject of the request/reply side channel of one role.
-
-    Args:
-        bucket: The KV bucket.
-        role: The role.
-        verb: ``roster`` or ``resign``.
-
-    Returns:
-        ``_NATS_LEADER.<bucket>.<role>.<verb>``.
-
-    """
-    return f"{c.CONTROL_SUBJECT_PREFIX}.{bucket}.{role}.{verb}"
-
-
-class Election:
+class Election(BaseElection):
     """Leader election for one role on a NATS JetStream KV bucket.
 
     Args:
@@ -164,6 +95,10 @@ class Election:
 
     """
 
+    _logger = logger
+    _name_prefix = "election"
+    _permanent_errors = PERMANENT_ERRORS
+
     def __init__(
         self,
         config: ElectionConfig,
@@ -175,27 +110,21 @@ class Election:
         observer: ElectionObserver | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self.config = config
-        self._connection = connection
-        self._connect_options = connect_options
-        self._backend: Backend | None = backend
-        self._own_connection: Client | None = None
-        self._clock = clock or SYSTEM_CLOCK
-        self._observer: ElectionObserver = observer or NullObserver()
-        self._rng = rng or random.Random()
+        super().__init__(
+            config,
+            connection,
+            connect_options=connect_options,
+            backend=backend,
+            clock=clock,
+            observer=observer,
+            rng=rng,
+        )
         self._bucket: Bucket | None = None
-        self._state = ElectionState.INIT
-        self._error: ElectionError | None = None
 
         # Leader side.
-        self._token: FencingToken | None = None
         self._revision = 0
-        self._lease_deadline = 0.0
-        self._term_started_at = 0.0
-        self._last_confirmed_send = 0.0
         self._unconfirmed_send: float | None = None
-        self._release_reason: DemoteReason | None = None
-        self._health_task: asyncio.Task[None] | None = None
+        self._deadline_timer: asyncio.TimerHandle | None = None
 
         # What we know of the key (both sides).
         self._leader: LeaderRecord | None = None
@@ -204,26 +133,11 @@ class Election:
         self._observed_at = 0.0
         self._campaign_at = 0.0
         self._expiry_retry_until = 0.0
-        self._sit_out_until = 0.0
-        self._next_takeover_at = 0.0
         self._last_read_at = 0.0
         self._bad_record_revision = 0
         self._issued_tokens: deque[str] = deque(maxlen=_REMEMBERED_TOKENS)
         self._roster: dict[str, int] = {}
-        self._disconnected_since: float | None = None
 
-        self._promote_callbacks: list[PromoteCallback] = []
-        self._demote_callbacks: list[DemoteCallback] = []
-        self._change_callbacks: list[LeaderChangeCallback] = []
-        self._error_callbacks: list[ErrorCallback] = []
-        self._callbacks = CallbackRunner(f"{config.role}")
-        self._deadline_timer: asyncio.TimerHandle | None = None
-        self._wake: asyncio.Event | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._decided: asyncio.Event | None = None
-        self._leading: asyncio.Event | None = None
-        self._main_task: asyncio.Task[None] | None = None
-        self._subscriptions: list[Subscription] = []
         self._backoff = Backoff(
             breaker_cooldown=min(
                 c.CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS, config.ttl * c.CIRCUIT_BREAKER_COOLDOWN_TTLS
@@ -234,38 +148,6 @@ class Election:
     # ------------------------------------------------------------------ API
 
     @property
-    def role(self) -> str:
-        """The role this election is for."""
-        return self.config.role
-
-    @property
-    def instance_id(self) -> str:
-        """This candidate's id."""
-        return self.config.instance_id
-
-    @property
-    def state(self) -> ElectionState:
-        """The current state (a leader past its lease reports ``FOLLOWER``)."""
-        if self._state is ElectionState.LEADER and not self._lease_valid():
-            return ElectionState.FOLLOWER
-        return self._state
-
-    @property
-    def is_leader(self) -> bool:
-        """Whether this process leads the role *now*.
-
-        Checked against the lease deadline on the monotonic clock at every
-        call, so it turns ``False`` on time even if the event loop is late.
-        Safe to read from any thread.
-        """
-        return self._state is ElectionState.LEADER and self._lease_valid()
-
-    @property
-    def token(self) -> FencingToken | None:
-        """The current term's fencing token while leading, else ``None``."""
-        return self._token if self.is_leader else None
-
-    @property
     def leader(self) -> LeaderRecord | None:
         """The last leader record seen (ours while leading), or ``None``."""
         return self._leader
@@ -274,59 +156,6 @@ class Election:
     def leader_id(self) -> str | None:
         """The id of the last leader seen, or ``None`` when the role looked free."""
         return self._leader.id if self._leader is not None else None
-
-    @property
-    def error(self) -> ElectionError | None:
-        """The permanent error that stopped the election, if any."""
-        return self._error
-
-    @property
-    def lease_remaining(self) -> float:
-        """Seconds left on the local lease (0 when not leading)."""
-        if self._state is not ElectionState.LEADER:
-            return 0.0
-        return max(0.0, self._lease_deadline - self._clock.monotonic())
-
-    def bind(self, backend: Backend) -> None:
-        """Use ``backend`` (a connection shared with other roles) instead of connecting.
-
-        Raises:
-            ElectionStoppedError: If the election was started already.
-        """
-        if self._state is not ElectionState.INIT:
-            raise ElectionStoppedError("bind() must be called before start()")
-        self._backend = backend
-
-    def wake(self) -> None:
-        """Re-evaluate now; called when the connection goes down or comes back."""
-        if self._wake is not None:
-            self._wake.set()
-        if self._waiter is not None:
-            _resolve(self._waiter)
-
-    def on_promote(self, callback: PromoteCallback) -> PromoteCallback:
-        """Register ``callback(token)``, called when this process becomes leader.
-
-        Usable as a decorator. Sync callbacks run on a worker thread, async
-        ones on the loop; either way never on the renewal path.
-        """
-        self._promote_callbacks.append(callback)
-        return callback
-
-    def on_demote(self, callback: DemoteCallback) -> DemoteCallback:
-        """Register ``callback(reason)``, called when this process stops leading."""
-        self._demote_callbacks.append(callback)
-        return callback
-
-    def on_leader_change(self, callback: LeaderChangeCallback) -> LeaderChangeCallback:
-        """Register ``callback(record_or_None)``, called when the observed leader changes."""
-        self._change_callbacks.append(callback)
-        return callback
-
-    def on_error(self, callback: ErrorCallback) -> ErrorCallback:
-        """Register ``callback(error)``, called when a permanent error stops the election."""
-        self._error_callbacks.append(callback)
-        return callback
 
     async def start(self, *, wait: float | None = None) -> None:
         """Join the election.
@@ -346,13 +175,7 @@ class Election:
             ElectionStoppedError: The election was stopped before.
 
         """
-        if self._state is not ElectionState.INIT:
-            raise ElectionStoppedError(f"election for {self.role!r} was already started")
-        cfg = self.config
-        self._wake = asyncio.Event()
-        self._decided = asyncio.Event()
-        self._leading = asyncio.Event()
-        backend = await self._open_backend()
+        backend = await self._prepare_start()
         try:
             await self._join(backend)
         except BaseException:
@@ -360,11 +183,7 @@ class Election:
             # behind, reconnecting and logging forever, after start() raised.
             await self._abandon_start()
             raise
-        self._main_task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"election-{cfg.role}"
-        )
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._decided.wait(), cfg.ttl if wait is None else wait)
+        await self._launch(self.config.ttl if wait is None else wait)
 
     async def _join(self, backend: Backend) -> None:
         """Open the bucket, subscribe, read and watch the key: everything but the loop."""
@@ -402,16 +221,10 @@ class Election:
 
     async def _abandon_start(self) -> None:
         """Undo a failed :meth:`start`; the election stays in INIT and may start again."""
-        for sub in self._subscriptions:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        self._subscriptions.clear()
+        await self._unsubscribe_all()
         await self._callbacks.stop()
         self._bucket = None
-        if self._own_connection is not None:
-            with contextlib.suppress(Exception):
-                await self._own_connection.close()
-            self._own_connection = None
+        if await self._close_own_connection():
             self._backend = None  # it was built on that connection
 
     async def stop(self) -> None:
@@ -439,16 +252,6 @@ class Election:
         self._set_state(ElectionState.STOPPED)
         await self._announce({"bye": {"id": self.config.instance_id}})
         await self._teardown()
-
-    async def resign(self) -> None:
-        """Step down if leading: demote callbacks, then release the key.
-
-        This process then sits out campaigns for one TTL, so another
-        candidate takes the role (if there is none, it campaigns again).
-        """
-        if self._state is not ElectionState.LEADER or self._wake is None:
-            return
-        await self._release(DemoteReason.RESIGNED)
 
     async def validate_token(self) -> bool:
         """Confirm against the store that this process still holds its term.
@@ -489,40 +292,6 @@ class Election:
             return False
         return self.is_leader and self._token is token
 
-    async def wait_for_leadership(self, timeout: float | None = None) -> bool:
-        """Wait until this process leads.
-
-        Args:
-            timeout: Seconds to wait; ``None`` waits indefinitely.
-
-        Returns:
-            ``True`` if leading, ``False`` if the timeout passed first.
-
-        Raises:
-            ElectionError: The election stopped on a permanent error.
-            ElectionStoppedError: The election is stopped or was never started.
-
-        """
-        if self.is_leader:
-            return True
-        if self._leading is None or self._state is ElectionState.STOPPED:
-            if self._error is not None:
-                raise self._error
-            raise ElectionStoppedError(f"election for {self.role!r} is not running")
-        try:
-            await asyncio.wait_for(self._wait_leading(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        if self._error is not None:
-            raise self._error
-        return self.is_leader
-
-    async def _wait_leading(self) -> None:
-        assert self._leading is not None
-        while not self.is_leader and self._state is not ElectionState.STOPPED:
-            self._leading.clear()
-            await self._leading.wait()
-
     def describe(self) -> dict[str, Any]:
         """This candidate as the roster and status commands show it.
 
@@ -553,97 +322,20 @@ class Election:
 
     # ------------------------------------------------------------ plumbing
 
-    async def _open_backend(self) -> Backend:
-        if self._backend is not None:
-            return self._backend
-        # Imported here so that the memory backend needs no nats-py connection.
-        from celery_nats_leader.backend.jetstream import JetStreamBackend
-
-        connection = self._connection
-        if connection is None:
-            connection = await connect(
-                self._connect_options or ConnectOptions(),
-                name=f"election-{self.role}",
-                listeners=[_Waker(self)],
-            )
-            self._own_connection = connection
-        self._backend = JetStreamBackend(connection)
-        return self._backend
-
-    async def _teardown(self) -> None:
-        for sub in self._subscriptions:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        self._subscriptions.clear()
-        if self._health_task is not None:
-            self._health_task.cancel()
-            self._health_task = None
-        await self._callbacks.stop()
-        if self._own_connection is not None:
-            # close() flushes to the socket and can raise when the server is gone.
-            with contextlib.suppress(Exception):
-                await self._own_connection.close()
-            self._own_connection = None
-        if self._leading is not None:
-            self._leading.set()
-
-    async def _cancel_main(self) -> None:
-        task, self._main_task = self._main_task, None
-        if task is None or task is asyncio.current_task():
-            return
-        # Cancel until it is done: a library call inside the task may swallow
-        # one cancellation (asyncio.wait_for on Python 3.11 can).
-        while not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=0.1)
-
-    async def _sleep_until(self, deadline: float) -> None:
-        """Wait until ``deadline`` (monotonic) or until :meth:`wake` is called.
-
-        Awaits a plain future rather than ``asyncio.wait_for``: on Python 3.11
-        ``wait_for`` can swallow a cancellation that arrives just as its
-        timeout fires, which would let the loop outlive :meth:`stop`.
-        """
-        assert self._wake is not None
-        delay = deadline - self._clock.monotonic()
-        if self._wake.is_set() or delay <= 0:
-            self._wake.clear()
-            return
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-        self._waiter = waiter
-        timer = loop.call_later(delay, _resolve, waiter)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
-            self._wake.clear()
-
-    def _lease_valid(self) -> bool:
-        return self._clock.monotonic() < self._lease_deadline
-
-    def _set_state(self, new: ElectionState) -> None:
-        old = self._state
-        if old is new:
-            return
-        self._state = new
+    def _state_log_level(self, old: ElectionState, new: ElectionState) -> int:
         # Leading or not is news; a follower's campaigns (many while it waits
         # for an old key to expire) are detail.
-        level = (
+        return (
             logging.INFO
             if ElectionState.LEADER in (old, new) or new is ElectionState.STOPPED
             else logging.DEBUG
         )
-        logger.log(level, "%s: %s -> %s (%s)", self.role, old.value, new.value, self.instance_id)
-        self._observer.state_changed(self.role, self.instance_id, old.value, new.value)
-        decided = new is ElectionState.LEADER or (
+
+    def _decides(self, old: ElectionState, new: ElectionState) -> bool:
+        # A lost campaign decides too: someone else leads.
+        return new is ElectionState.LEADER or (
             new is ElectionState.FOLLOWER and old is ElectionState.CANDIDATE
         )
-        if self._decided is not None and decided:
-            self._decided.set()
-        if self._leading is not None:
-            self._leading.set()
 
     def _decode(self, entry: KVEntry) -> LeaderRecord | None:
         try:
@@ -749,32 +441,12 @@ class Election:
 
     # ----------------------------------------------------------- main loop
 
-    async def _run(self) -> None:
-        try:
-            while self._state is not ElectionState.STOPPED:
-                if self._state is ElectionState.LEADER:
-                    await self._lead()
-                else:
-                    await self._follow()
-        except asyncio.CancelledError:
-            raise
-        except PERMANENT_ERRORS as exc:
-            await self._fail(exc)
-        except Exception as exc:
-            logger.exception("%s: election loop crashed", self.role)
-            await self._fail(ElectionError(f"election loop crashed: {exc!r}"))
-
-    async def _fail(self, exc: ElectionError) -> None:
-        logger.error("%s: election stopped: %s", self.role, exc)
-        self._error = exc
-        if self._state is ElectionState.LEADER:
-            self._demote(DemoteReason.ERROR)
-        self._set_state(ElectionState.STOPPED)
-        if self._decided is not None:
-            self._decided.set()
-        await self._callbacks.submit(self._error_callbacks, exc)
-        self._main_task = None
-        await self._teardown()
+    async def _loop(self) -> None:
+        while self._state is not ElectionState.STOPPED:
+            if self._state is ElectionState.LEADER:
+                await self._lead()
+            else:
+                await self._follow()
 
     # ------------------------------------------------------------ follower
 
@@ -791,7 +463,7 @@ class Election:
             await self._clear_leftover(self._leader)
             return
         if self._observed_present and self._leader is not None:
-            await self._maybe_take_over(self._leader, now)
+            await self._maybe_take_over(self._leader.id, self._leader.priority, now)
         campaign_at = max(self._campaign_at, self._sit_out_until)
         resync_at = self._last_read_at + cfg.resync_interval
         if now >= campaign_at:
@@ -956,32 +628,6 @@ class Election:
             logger.debug("%s: could not clear the leftover record: %s", self.role, exc)
         await self._resync()
 
-    async def _maybe_take_over(self, leader: LeaderRecord, now: float) -> None:
-        cfg = self.config
-        if (
-            not cfg.allow_takeover
-            or leader.priority >= cfg.priority
-            or now < self._next_takeover_at
-        ):
-            return
-        if now < self._sit_out_until:
-            return
-        self._next_takeover_at = now + cfg.ttl
-        assert self._backend is not None
-        request = json.dumps(
-            {"requester": cfg.instance_id, "priority": cfg.priority, "reason": "takeover"}
-        ).encode()
-        try:
-            reply = await self._backend.request(
-                control_subject(cfg.bucket, cfg.role, c.RESIGN_VERB),
-                request,
-                timeout=cfg.request_timeout,
-            )
-        except ElectionError as exc:
-            logger.debug("%s: takeover request unanswered: %s", self.role, exc)
-            return
-        logger.info("%s: asked leader %s to hand over: %s", self.role, leader.id, reply[:200])
-
     # -------------------------------------------------------------- leader
 
     def _win(self, token: FencingToken, revision: int, send: float) -> None:
@@ -1016,11 +662,7 @@ class Election:
         if not already_reported:
             self._callbacks.submit(self._change_callbacks, self._leader)
         self._callbacks.submit(self._promote_callbacks, token)
-        if cfg.health_check is not None:
-            self._health_task = asyncio.get_running_loop().create_task(
-                watch_health(cfg, lambda: self._token is token, self._resign_unhealthy),
-                name=f"health-{cfg.role}",
-            )
+        self._watch_health(token)
 
     def _confirm(self, send: float) -> None:
         """A write of ours is known stored: the lease runs from its send time.
@@ -1076,9 +718,7 @@ class Election:
         self._cancel_deadline_timer()
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: demoted (%s)", self.role, reason.value)
-        if self._health_task is not None:
-            self._health_task.cancel()
-            self._health_task = None
+        self._stop_health_watch()
         self._callbacks.submit(self._demote_callbacks, reason)
         self.wake()
 
@@ -1217,10 +857,6 @@ class Election:
         self._demote(reason)
         return send
 
-    def _resign_unhealthy(self) -> None:
-        self._release_reason = DemoteReason.HEALTH_CHECK_FAILED
-        self.wake()
-
     async def _release(self, reason: DemoteReason) -> None:
         """Graceful hand-over: demote callbacks first, then delete our key."""
         token, revision = self._token, self._revision
@@ -1234,9 +870,7 @@ class Election:
         self._sit_out_until = self._clock.monotonic() + self.config.ttl
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: stepping down (%s)", self.role, reason.value)
-        if self._health_task is not None:
-            self._health_task.cancel()
-            self._health_task = None
+        self._stop_health_watch()
         await self._callbacks.submit(self._demote_callbacks, reason)
         await self._delete_own_key(token, revision)
         self.wake()
@@ -1306,28 +940,19 @@ class Election:
             if isinstance(bye, dict) and bye.get("id") != self.instance_id:
                 self._roster.pop(str(bye.get("id")), None)
         if reply and self._backend is not None:
-            await self._backend.publish(reply, json.dumps(self.describe()).encode())
+            await self._respond(reply, self.describe())
 
-    async def _on_resign_request(self, data: bytes, reply: str | None) -> None:
-        try:
-            body = json.loads(data) if data else {}
-        except ValueError:
-            body = {}
-        if not isinstance(body, dict):
-            body = {}
-        leading = self.is_leader
-        priority = body.get("priority")
-        accepted = leading
-        if leading and isinstance(priority, int) and priority <= self.config.priority:
-            accepted = False  # a takeover request from a candidate not preferred over us
-        if accepted:
-            self._release_reason = (
-                DemoteReason.TAKEOVER if isinstance(priority, int) else DemoteReason.RESIGNED
-            )
-            logger.info(
-                "%s: asked to step down by %s", self.role, body.get("requester", "an operator")
-            )
-            self.wake()
-        if reply and self._backend is not None and leading:
-            answer = {"id": self.instance_id, "accepted": accepted}
-            await self._backend.publish(reply, json.dumps(answer).encode())
+
+# The states, reasons, callback types and control_subject were defined here
+# first (now in election_base): they stay importable from this module.
+__all__ = [
+    "PERMANENT_ERRORS",
+    "DemoteCallback",
+    "DemoteReason",
+    "Election",
+    "ElectionState",
+    "ErrorCallback",
+    "LeaderChangeCallback",
+    "PromoteCallback",
+    "control_subject",
+]
