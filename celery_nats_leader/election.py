@@ -123,6 +123,7 @@ class Election(BaseElection):
 
         # Leader side.
         self._revision = 0
+        self._renewal_value = b""
         self._unconfirmed_send: float | None = None
         self._deadline_timer: asyncio.TimerHandle | None = None
 
@@ -636,6 +637,8 @@ class Election(BaseElection):
         self._token = token
         self._revision = revision
         self._term_started_at = now
+        # Every renewal of the term writes the same bytes: encode them once.
+        self._renewal_value = self._record_bytes(token, token.epoch)
         self._confirm(send)
         # The watch may have delivered our own create before its acknowledgement
         # (we were still a candidate): the change was reported then already.
@@ -791,7 +794,7 @@ class Election(BaseElection):
         try:
             revision = await self._bucket.update(
                 cfg.role,
-                self._record_bytes(token, token.epoch),
+                self._renewal_value,
                 last=self._revision,
                 timeout=timeout,
             )

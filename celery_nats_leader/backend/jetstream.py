@@ -149,9 +149,11 @@ class JetStreamBucket:
         if last is not None:
             hdrs[_EXPECTED_LAST_SUBJECT_SEQUENCE] = str(last)
         ack = await self._backend.call(
+            # nats-py bounds the publish request by ``timeout`` itself.
             self._js.publish(self._prefix + key, value, timeout=timeout, headers=hdrs),
             timeout=timeout,
             bucket=self.name,
+            bounded=True,
         )
         return int(ack.seq)
 
@@ -182,9 +184,31 @@ class JetStreamBucket:
         return KVEntry(key=key, value=msg.data or b"", revision=int(msg.seq or 0), operation=op)
 
     async def watch(self, key: str, callback: WatchCallback) -> JetStreamSubscription:
-        """Call ``callback`` with the key's current entry and every later change."""
+        """Call ``callback`` with the key's current entry and every later change.
+
+        All watches of one bucket on one connection share a single KV watch
+        (one ordered consumer on the whole bucket), dispatched by key: nats-py
+        runs background tasks per consumer, and a process holding a thousand
+        roles must not pay for a thousand of them.
+        """
+        shared = await self._backend.shared_watch(self)
+        unregister = shared.register(key, callback)
+        try:
+            # The shared watch may have started long ago: hand over the
+            # current entry ourselves, after registering so nothing is missed
+            # (the election ignores entries older than one it has seen).
+            current = await self._latest(key, timeout=self._backend.js_timeout)
+        except BaseException:
+            await unregister()
+            raise
+        if current is not None:
+            callback(current)
+        return JetStreamSubscription(unregister)
+
+    async def watch_all(self, callback: WatchCallback) -> Callable[[], Awaitable[None]]:
+        """Deliver every change of every key to ``callback``; returns the stop function."""
         watcher = await self._backend.call(
-            self._kv.watch(key), timeout=self._backend.js_timeout, bucket=self.name
+            self._kv.watchall(), timeout=self._backend.js_timeout, bucket=self.name
         )
 
         async def pump() -> None:
@@ -205,7 +229,7 @@ class JetStreamBucket:
                     )
                 )
 
-        task = asyncio.get_running_loop().create_task(pump(), name=f"kv-watch-{self.name}-{key}")
+        task = asyncio.get_running_loop().create_task(pump(), name=f"kv-watch-{self.name}")
 
         async def stop() -> None:
             with contextlib.suppress(Exception):
@@ -214,7 +238,7 @@ class JetStreamBucket:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-        return JetStreamSubscription(stop)
+        return stop
 
     async def entries(self, *, timeout: float) -> list[KVEntry]:
         """Return the latest value of every key that holds one."""
@@ -249,6 +273,37 @@ class JetStreamBucket:
         return float(status.ttl or 0.0)
 
 
+class _SharedWatch:
+    """One KV watch of a whole bucket, fanned out to per-key callbacks."""
+
+    def __init__(self, on_empty: Callable[[], Awaitable[None]]) -> None:
+        self.callbacks: dict[str, list[WatchCallback]] = {}
+        self.stop: Callable[[], Awaitable[None]] | None = None
+        self.ready = asyncio.Event()
+        self._on_empty = on_empty
+
+    def dispatch(self, entry: KVEntry) -> None:
+        for callback in list(self.callbacks.get(entry.key, ())):
+            try:
+                callback(entry)
+            except Exception:
+                logger.exception("watch callback for %r failed", entry.key)
+
+    def register(self, key: str, callback: WatchCallback) -> Callable[[], Awaitable[None]]:
+        self.callbacks.setdefault(key, []).append(callback)
+
+        async def unregister() -> None:
+            callbacks = self.callbacks.get(key, [])
+            with contextlib.suppress(ValueError):
+                callbacks.remove(callback)
+            if not callbacks:
+                self.callbacks.pop(key, None)
+            if not self.callbacks:
+                await self._on_empty()
+
+        return unregister
+
+
 class _NoMessage(Exception):
     """Internal: a direct get found no message for the subject."""
 
@@ -266,6 +321,35 @@ class JetStreamBackend:
         self.nc = nc
         self.js_timeout = js_timeout
         self.js = nc.jetstream(timeout=js_timeout)
+        self._watches: dict[str, _SharedWatch] = {}
+
+    async def _stop_shared_watch(self, name: str, shared: _SharedWatch) -> None:
+        if self._watches.get(name) is shared and shared.stop is not None:
+            del self._watches[name]
+            await shared.stop()
+
+    async def shared_watch(self, bucket: JetStreamBucket) -> _SharedWatch:
+        """The bucket's shared watch on this connection.
+
+        Started by the first watch of the bucket, stopped when the last one
+        leaves (so nothing outlives the elections that used it).
+        """
+        shared = self._watches.get(bucket.name)
+        if shared is None:
+            new = _SharedWatch(lambda: self._stop_shared_watch(bucket.name, new))
+            shared = self._watches[bucket.name] = new
+            try:
+                shared.stop = await bucket.watch_all(shared.dispatch)
+            except BaseException:
+                del self._watches[bucket.name]
+                shared.ready.set()
+                raise
+            shared.ready.set()
+        else:
+            await shared.ready.wait()
+            if bucket.name not in self._watches:  # its start failed
+                return await self.shared_watch(bucket)
+        return shared
 
     @property
     def is_connected(self) -> bool:
@@ -282,24 +366,31 @@ class JetStreamBackend:
         if not self.nc.is_connected:
             raise NotConnectedError("not connected to NATS; write not sent")
 
-    async def call(self, awaitable: Awaitable[T], *, timeout: float, bucket: str) -> T:
+    async def call(
+        self, awaitable: Awaitable[T], *, timeout: float, bucket: str, bounded: bool = False
+    ) -> T:
         """Await a nats-py call under ``timeout``, translating its errors.
 
         Args:
             awaitable: The nats-py coroutine.
             timeout: Seconds before the outcome is declared unknown.
             bucket: Bucket name, for error messages.
+            bounded: The call enforces ``timeout`` itself (a request given
+                that timeout): awaited directly, without the task and timer
+                an outer ``wait_for`` costs on every renewal.
 
         Returns:
             The call's result.
 
         """
-        request = asyncio.ensure_future(awaitable)
-        # If our caller is cancelled (stop()) just as the answer arrives, the
-        # request can finish with an error nobody reads, and asyncio logs
-        # "Task exception was never retrieved" at garbage collection.
-        request.add_done_callback(_retrieve_outcome)
         try:
+            if bounded:
+                return await awaitable
+            request = asyncio.ensure_future(awaitable)
+            # If our caller is cancelled (stop()) just as the answer arrives, the
+            # request can finish with an error nobody reads, and asyncio logs
+            # "Task exception was never retrieved" at garbage collection.
+            request.add_done_callback(_retrieve_outcome)
             return await asyncio.wait_for(request, timeout)
         except nats.js.errors.KeyWrongLastSequenceError as exc:
             raise RevisionMismatchError(str(exc)) from exc
