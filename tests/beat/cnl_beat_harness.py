@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,10 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import nats
-import pytest
 from cnl_beat_ledger import BeatLedger, Run
 from nats.js.api import KeyValueConfig
 
@@ -44,6 +41,7 @@ from celery_nats_leader.errors import RecordFormatError
 from celery_nats_leader.loop_thread import EventLoopThread
 from celery_nats_leader.record import LeaderRecord, decode_record
 from celery_nats_leader.testing import NatsServer
+from celery_nats_leader.testing.services import wait_for
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -53,7 +51,6 @@ AMQP_URL = os.environ.get("CNL_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 PG_HOST = os.environ.get("CNL_PG_HOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("CNL_PG_PORT", "5432"))
 PG_DB = os.environ.get("CNL_PG_DB", "test")
-IN_CI = os.environ.get("CI", "").lower() == "true"
 
 #: Election TTL of the tests (seconds): short, to keep the suite to minutes.
 TTL = 1.5
@@ -68,43 +65,6 @@ FAILOVER = TTL + SLACK
 BEAT_ROLE = "beat"
 LEADERS_BUCKET = "leaders"
 STATE_BUCKET = "leaders_beat"
-
-
-def reachable(url: str) -> bool:
-    parsed = urlparse(url)
-    try:
-        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 0), 1.0):
-            return True
-    except OSError:
-        return False
-
-
-def require_service(kind: str, url: str) -> None:
-    """Fail under CI, skip elsewhere, when a service is not reachable."""
-    if reachable(url):
-        return
-    message = f"{kind} not reachable at {url}"
-    if IN_CI:
-        pytest.fail(f"{message} (CI=true: the CI services must be up)")
-    pytest.skip(f"{message}; start it to run these cases")
-
-
-def wait_for(
-    predicate: Callable[[], Any],
-    timeout: float,
-    what: str,
-    diagnostics: Callable[[], str] | None = None,
-) -> Any:
-    """Poll ``predicate`` until it is truthy (the state lives in other processes)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            extra = diagnostics() if diagnostics else ""
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{extra}")
-        time.sleep(0.02)
 
 
 # ------------------------------------------------------------------ brokers

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 from cnl_beat_harness import (
     AMQP_URL,
-    IN_CI,
     PG_DB,
     PG_HOST,
     PG_PORT,
@@ -26,11 +25,10 @@ from cnl_beat_harness import (
     Broker,
     Database,
     pg_connect,
-    reachable,
-    require_service,
 )
 
 from celery_nats_leader.testing import NatsServer
+from celery_nats_leader.testing.services import IN_CI, reachable, require_service
 
 
 @pytest.fixture

@@ -21,66 +21,24 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
-import pytest
 from cnl_celery_ledger import Ledger
 
 from celery_nats_leader.backend.jetstream import JetStreamBackend
 from celery_nats_leader.connection import ConnectOptions, connect
 from celery_nats_leader.testing import NatsServer
+from celery_nats_leader.testing.services import wait_for
 
 HERE = Path(__file__).resolve().parent
 CELERY = str(Path(sys.executable).parent / "celery")
 REDIS_URL = os.environ.get("CNL_REDIS_URL", "redis://127.0.0.1:6379/0")
 AMQP_URL = os.environ.get("CNL_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
-IN_CI = os.environ.get("CI", "").lower() == "true"
-
-
-def _reachable(url: str) -> bool:
-    parsed = urlparse(url)
-    try:
-        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 0), 1.0):
-            return True
-    except OSError:
-        return False
-
-
-def require_service(kind: str, url: str) -> None:
-    """Fail under CI, skip elsewhere, when a broker is not reachable."""
-    if _reachable(url):
-        return
-    message = f"{kind} broker not reachable at {url}"
-    if IN_CI:
-        pytest.fail(f"{message} (CI=true: the CI brokers must be up)")
-    pytest.skip(f"{message}; start it or set CNL_{kind.upper()}_URL to run these cases")
-
-
-def wait_for(
-    predicate: Callable[[], Any],
-    timeout: float,
-    what: str,
-    diagnostics: Callable[[], str] | None = None,
-) -> Any:
-    """Poll ``predicate`` until it returns something truthy (no event to wait on)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            extra = diagnostics() if diagnostics else ""
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{extra}")
-        time.sleep(0.02)
 
 
 # ------------------------------------------------------------------ brokers

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cnl_celery_harness import AMQP_URL, REDIS_URL, Broker, Cluster, require_service
+from cnl_celery_harness import AMQP_URL, REDIS_URL, Broker, Cluster
 
 from celery_nats_leader.testing import NatsServer
+from celery_nats_leader.testing.services import require_service
 
 
 @pytest.fixture
@@ -46,7 +47,7 @@ def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Broker]:
             data_dir=data,
         )
     elif kind == "redis":
-        require_service("redis", REDIS_URL)
+        require_service("redis broker", REDIS_URL)
         prefix = f"cnl-{token}:"
         spec = Broker(
             kind,
@@ -63,7 +64,7 @@ def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Broker]:
             prefix=prefix,
         )
     elif kind == "amqp":
-        require_service("amqp", AMQP_URL)
+        require_service("amqp broker", AMQP_URL)
         spec = Broker(kind, AMQP_URL, {})
     else:  # pragma: no cover
         raise ValueError(kind)
