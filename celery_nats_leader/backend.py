@@ -117,6 +117,16 @@ class Bucket(Protocol):
         ...
 
 
+class ConnectionListener:
+    """Receives connection state changes; override what you need."""
+
+    def disconnected(self) -> None:
+        """The connection went down (it will try to reconnect)."""
+
+    def reconnected(self) -> None:
+        """The connection is back."""
+
+
 class Backend(Protocol):
     """A connection: opens buckets and carries request/reply messages."""
 
@@ -151,6 +161,10 @@ class Backend(Protocol):
         """
         ...
 
+    async def close(self) -> None:
+        """Close the connection if this backend opened it; idempotent, never raises."""
+        ...
+
     async def subscribe(self, subject: str, handler: MessageHandler) -> Subscription:
         """Deliver messages on ``subject`` to ``handler``."""
         ...
@@ -178,6 +192,7 @@ class Backend(Protocol):
 __all__ = [
     "Backend",
     "Bucket",
+    "ConnectionListener",
     "KVEntry",
     "MessageHandler",
     "Operation",

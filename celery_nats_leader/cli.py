@@ -28,8 +28,7 @@ import click
 from celery_nats_leader import constants as c
 from celery_nats_leader.election import control_subject
 from celery_nats_leader.errors import ElectionError
-from celery_nats_leader.nats.connection import connect
-from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.status import RoleStatus, read_status
 from celery_nats_leader.settings import LeaderSettings
 
@@ -56,24 +55,23 @@ def _settings(ctx: click.Context) -> LeaderSettings:
 async def _read(
     settings: LeaderSettings, roles: Sequence[str], timeout: float, window: float
 ) -> list[RoleStatus]:
-    nc = await connect(settings.connection, timeout=timeout, name="celery-nats-leader-cli")
-    try:
+    async with await open_backend(
+        settings.connection, timeout=timeout, name="celery-nats-leader-cli"
+    ) as backend:
         return await read_status(
-            JetStreamBackend(nc),
+            backend,
             settings.bucket,
             roles=roles,
             timeout=timeout,
             roster_window=window,
             strategy=settings.strategy,
         )
-    finally:
-        await nc.close()
 
 
 async def _resign(settings: LeaderSettings, role: str, timeout: float) -> dict[str, Any] | None:
-    nc = await connect(settings.connection, timeout=timeout, name="celery-nats-leader-cli")
-    try:
-        backend = JetStreamBackend(nc)
+    async with await open_backend(
+        settings.connection, timeout=timeout, name="celery-nats-leader-cli"
+    ) as backend:
         body = json.dumps({"requester": "celery nats-leader resign"}).encode()
         try:
             reply = await backend.request(
@@ -83,8 +81,6 @@ async def _resign(settings: LeaderSettings, role: str, timeout: float) -> dict[s
             return None
         answer = json.loads(reply)
         return answer if isinstance(answer, dict) else None
-    finally:
-        await nc.close()
 
 
 def _table(statuses: Sequence[RoleStatus], configured: Sequence[str]) -> str:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from celery_nats_leader import constants as c
+from celery_nats_leader import nats
 from celery_nats_leader.backend import Backend, KVEntry, Operation
 from celery_nats_leader.election import control_subject
 from celery_nats_leader.errors import (
@@ -38,7 +39,6 @@ from celery_nats_leader.errors import (
     NotLeaderError,
     RecordFormatError,
 )
-from celery_nats_leader.nats.connection import connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.ops.status import RoleStatus, read_status
 from celery_nats_leader.record import LeaderRecord, decode_record
@@ -117,12 +117,8 @@ async def open_backend(
         NatsUnavailableError: No server answered in time.
 
     """
-    nc = await connect(settings.connection, timeout=timeout, name=name)
-    try:
-        yield JetStreamBackend(nc)
-    finally:
-        with contextlib.suppress(Exception):  # closing a dead connection may raise
-            await nc.close()
+    async with await nats.open_backend(settings.connection, timeout=timeout, name=name) as backend:
+        yield backend
 
 
 # -------------------------------------------------------------------- status

@@ -17,8 +17,7 @@ import os
 from contextlib import ExitStack
 
 from celery_nats_leader import read_status
-from celery_nats_leader.nats.connection import ConnectOptions, connect
-from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.nats import ConnectOptions, open_backend
 from celery_nats_leader.testing import CandidateGroup
 
 ROLE = "demo"
@@ -28,11 +27,8 @@ TTL = 2.0
 
 async def print_status(url: str) -> None:
     """Print the role table, as an operator would see it."""
-    nc = await connect(ConnectOptions(servers=(url,)))
-    try:
-        rows = await read_status(JetStreamBackend(nc), BUCKET, roles=[ROLE])
-    finally:
-        await nc.close()
+    async with await open_backend(ConnectOptions(servers=(url,))) as backend:
+        rows = await read_status(backend, BUCKET, roles=[ROLE])
     for row in rows:
         alive = ", ".join(f"{c['id']}({c['state']})" for c in row.candidates)
         print(f"  role={row.role} leader={row.leader_id} epoch={row.epoch} candidates: {alive}")

@@ -25,18 +25,13 @@ import asyncio
 import contextlib
 import json
 import logging
-import random
 import uuid
 from collections import deque
 from typing import Any
 
-from nats.aio.client import Client
-
 from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, Bucket, KVEntry, Operation
 from celery_nats_leader.backoff import Backoff
-from celery_nats_leader.clock import Clock
-from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election.base import (
     BaseElection,
     DemoteCallback,
@@ -47,7 +42,6 @@ from celery_nats_leader.election.base import (
     PromoteCallback,
     control_subject,
 )
-from celery_nats_leader.election.observer import ElectionObserver
 from celery_nats_leader.errors import (
     BackendError,
     BackendTimeoutError,
@@ -61,7 +55,6 @@ from celery_nats_leader.errors import (
     RecordFormatError,
     RevisionMismatchError,
 )
-from celery_nats_leader.nats.connection import ConnectOptions
 from celery_nats_leader.record import LeaderRecord, decode_record, encode_record
 from celery_nats_leader.token import FencingToken
 
@@ -82,16 +75,8 @@ _REMEMBERED_TOKENS = 16
 class Election(BaseElection):
     """Leader election for one role on a NATS JetStream KV bucket.
 
-    Args:
-        config: The role's configuration.
-        connection: A connected nats-py client to use; when ``None`` the
-            election opens (and later closes) its own from ``connect_options``.
-        connect_options: Where to connect when ``connection`` is ``None``.
-        backend: A ready backend (tests use the in-memory one); overrides
-            ``connection``.
-        clock: Monotonic clock for every deadline (injectable for tests).
-        observer: Receives measurements (metrics).
-        rng: Random source for jitter.
+    Constructed like every strategy: see
+    :class:`~celery_nats_leader.election.base.BaseElection` for the arguments.
 
     """
 
@@ -99,26 +84,7 @@ class Election(BaseElection):
     _name_prefix = "election"
     _permanent_errors = PERMANENT_ERRORS
 
-    def __init__(
-        self,
-        config: ElectionConfig,
-        connection: Client | None = None,
-        *,
-        connect_options: ConnectOptions | None = None,
-        backend: Backend | None = None,
-        clock: Clock | None = None,
-        observer: ElectionObserver | None = None,
-        rng: random.Random | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            connection,
-            connect_options=connect_options,
-            backend=backend,
-            clock=clock,
-            observer=observer,
-            rng=rng,
-        )
+    def _init_state(self) -> None:
         self._bucket: Bucket | None = None
 
         # Leader side.
@@ -141,7 +107,8 @@ class Election(BaseElection):
 
         self._backoff = Backoff(
             breaker_cooldown=min(
-                c.CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS, config.ttl * c.CIRCUIT_BREAKER_COOLDOWN_TTLS
+                c.CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS,
+                self.config.ttl * c.CIRCUIT_BREAKER_COOLDOWN_TTLS,
             ),
             rng=self._rng,
         )
@@ -225,8 +192,7 @@ class Election(BaseElection):
         await self._unsubscribe_all()
         await self._callbacks.stop()
         self._bucket = None
-        if await self._close_own_connection():
-            self._backend = None  # it was built on that connection
+        await self._close_own_backend()
 
     async def stop(self) -> None:
         """Leave the election.

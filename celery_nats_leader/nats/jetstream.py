@@ -311,17 +311,43 @@ class _NoMessage(Exception):
 class JetStreamBackend:
     """The election backend on a nats-py connection.
 
+    Usually obtained from :func:`celery_nats_leader.nats.open_backend`, which
+    connects first and hands the connection over. Usable as an async context
+    manager that closes it.
+
     Args:
-        nc: A connected nats-py client. It is not closed by this object.
+        nc: A connected nats-py client.
         js_timeout: Default timeout for JetStream API calls, seconds.
+        owns_connection: Whether :meth:`close` closes ``nc`` (a connection
+            shared with other code is left open).
 
     """
 
-    def __init__(self, nc: Client, *, js_timeout: float = 5.0) -> None:
+    def __init__(
+        self, nc: Client, *, js_timeout: float = 5.0, owns_connection: bool = False
+    ) -> None:
         self.nc = nc
         self.js_timeout = js_timeout
         self.js = nc.jetstream(timeout=js_timeout)
+        self.owns_connection = owns_connection
         self._watches: dict[str, _SharedWatch] = {}
+
+    async def close(self) -> None:
+        """Close the connection if this backend owns it; idempotent, never raises."""
+        if not self.owns_connection or self.nc.is_closed:
+            return
+        # close() flushes to the socket and can raise when the server is
+        # already gone; the connection is closed either way.
+        try:
+            await self.nc.close()
+        except Exception as exc:  # closing must not fail a shutdown
+            logger.debug("closing the NATS connection: %s", exc)
+
+    async def __aenter__(self) -> JetStreamBackend:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
 
     async def _stop_shared_watch(self, name: str, shared: _SharedWatch) -> None:
         if self._watches.get(name) is shared and shared.stop is not None:

@@ -211,6 +211,9 @@ class MemoryBackend:
         if not self.connected:
             raise NotConnectedError("memory backend disconnected")
 
+    async def close(self) -> None:
+        """Nothing to close: the simulated connection belongs to the test."""
+
     async def open_bucket(
         self,
         name: str,

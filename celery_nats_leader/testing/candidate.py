@@ -55,7 +55,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionError
-from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, connect
+from celery_nats_leader.nats import ConnectionListener, ConnectOptions, open_backend
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.testing.nats_server import _thread_states
 from celery_nats_leader.token import FencingToken
@@ -212,16 +212,14 @@ async def _run(args: argparse.Namespace, printer: _Printer) -> int:
     urls = tuple(u for url in args.url for u in url.split(",") if u)
     listener = _ConnectionEvents(printer)
     try:
-        nc = await connect(
+        backend = await open_backend(
             ConnectOptions(servers=urls, options=options), listeners=[listener], name=args.name
         )
     except ElectionError as exc:
         printer.emit("error", error=type(exc).__name__, message=str(exc))
         return 2
-    try:
-        return await _elect(args, printer, Election(config, nc), listener)
-    finally:
-        await nc.close()
+    async with backend:
+        return await _elect(args, printer, Election(config, backend), listener)
 
 
 async def _elect(

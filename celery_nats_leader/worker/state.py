@@ -41,8 +41,7 @@ from typing import Protocol
 from celery_nats_leader.backend import Bucket
 from celery_nats_leader.errors import ElectionError, RecordFormatError
 from celery_nats_leader.loop_thread import EventLoopThread
-from celery_nats_leader.nats.connection import ConnectOptions, connect
-from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.nats import ConnectOptions, open_backend
 from celery_nats_leader.record import decode_record
 from celery_nats_leader.token import FencingToken
 
@@ -383,8 +382,9 @@ class ChildValidator:
     ) -> bool:
         bucket = self._bucket
         if bucket is None:
-            nc = await connect(self._connection, timeout=timeout, name="celery-nats-leader-child")
-            backend = JetStreamBackend(nc)
+            backend = await open_backend(
+                self._connection, timeout=timeout, name="celery-nats-leader-child"
+            )
             bucket = await backend.open_bucket(
                 self._bucket_name, ttl=None, create=False, replicas=1, timeout=timeout
             )
