@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from celery_nats_leader.backend import KVEntry, Operation
 from celery_nats_leader.constants import RECORD_VERSION
 from celery_nats_leader.errors import RecordFormatError
 from celery_nats_leader.token import FencingToken
@@ -47,6 +48,26 @@ class LeaderRecord:
     def fencing_token(self) -> FencingToken:
         """The term's :class:`FencingToken`."""
         return FencingToken(epoch=self.epoch, value=self.token)
+
+    def holds(self, token: FencingToken, instance_id: str | None = None) -> bool:
+        """Whether this record is the term of ``token``.
+
+        The one "does the store still hold this term" check: the election's
+        token validation, prefork children and the worker-side checks use it.
+
+        Args:
+            token: The fencing token to look for.
+            instance_id: Also require this holder (a candidate checking its own term).
+
+        Returns:
+            ``True`` when epoch and token value match (and the holder, if given).
+
+        """
+        return (
+            self.token == token.value
+            and self.epoch == token.epoch
+            and (instance_id is None or self.id == instance_id)
+        )
 
 
 def encode_record(
@@ -116,3 +137,26 @@ def decode_record(value: bytes, revision: int) -> LeaderRecord:
     return LeaderRecord(
         id=instance_id, token=token, epoch=epoch, revision=revision, priority=priority, meta=meta
     )
+
+
+def record_of(entry: KVEntry | None) -> LeaderRecord | None:
+    """The leader record a KV entry holds, or ``None``.
+
+    ``None`` for no entry, a delete or purge marker (a released term), or a
+    value that is not a record of this package. Callers that must tell the
+    last case apart (the election logs it, status reports it) use
+    :func:`decode_record`.
+
+    Args:
+        entry: The entry read from the bucket, or ``None``.
+
+    Returns:
+        The record, or ``None``.
+
+    """
+    if entry is None or entry.operation is not Operation.PUT:
+        return None
+    try:
+        return decode_record(entry.value, entry.revision)
+    except RecordFormatError:
+        return None

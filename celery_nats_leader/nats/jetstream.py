@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import nats.errors
@@ -26,7 +26,13 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
-from celery_nats_leader.backend import KVEntry, MessageHandler, Operation, WatchCallback
+from celery_nats_leader.backend import (
+    BucketInfo,
+    KVEntry,
+    MessageHandler,
+    Operation,
+    WatchCallback,
+)
 from celery_nats_leader.errors import (
     BackendError,
     BackendTimeoutError,
@@ -540,6 +546,70 @@ class JetStreamBackend:
             raise JetStreamUnavailableError(
                 "the NATS server has no JetStream: start nats-server with -js"
             ) from exc
+
+    async def bucket_info(self, name: str, *, timeout: float) -> BucketInfo:
+        """Read a bucket's settings from its stream (``KV_<name>``).
+
+        Raises:
+            BucketNotFoundError: The bucket does not exist.
+            JetStreamUnavailableError: The server has no JetStream.
+            BackendError: Any other failure.
+
+        """
+        async with self._stream_api(name, timeout):
+            info = await asyncio.wait_for(self.js.stream_info(f"KV_{name}"), timeout)
+        config, state = info.config, info.state
+        # nats-py leaves the storage type as the server's string in replies.
+        storage = getattr(config.storage, "value", config.storage) or "file"
+        return BucketInfo(
+            name=name,
+            ttl=float(config.max_age or 0.0),
+            history=int(config.max_msgs_per_subject or 0),
+            replicas=int(config.num_replicas or 1),
+            storage=str(storage),
+            keys=int(state.messages or 0),
+        )
+
+    async def delete_bucket(self, name: str, *, timeout: float) -> bool:
+        """Delete a bucket's stream; ``False`` when there was none.
+
+        Raises:
+            JetStreamUnavailableError: The server has no JetStream.
+            BackendError: Any other failure.
+
+        """
+        try:
+            async with self._stream_api(name, timeout):
+                await asyncio.wait_for(self.js.delete_stream(f"KV_{name}"), timeout)
+        except BucketNotFoundError:
+            return False
+        return True
+
+    @contextlib.asynccontextmanager
+    async def _stream_api(self, name: str, timeout: float) -> AsyncIterator[None]:
+        """Translate the errors of a JetStream stream API call about bucket ``name``."""
+        try:
+            yield
+        except nats.js.errors.NotFoundError as exc:
+            if exc.err_code == _STREAM_NOT_FOUND:
+                raise BucketNotFoundError(f"KV bucket {name!r} does not exist") from exc
+            raise BackendError(f"JetStream: {exc}") from exc
+        except (
+            asyncio.TimeoutError,
+            nats.errors.TimeoutError,
+            nats.errors.NoRespondersError,
+            nats.js.errors.ServiceUnavailableError,
+        ) as exc:
+            raise JetStreamUnavailableError(
+                f"JetStream did not answer within {timeout:g}s ({type(exc).__name__}): start "
+                "nats-server with -js (or enable jetstream {} in its configuration)"
+            ) from exc
+        except nats.js.errors.APIError as exc:
+            if exc.code == 403 or "permission" in str(exc.description or "").lower():
+                raise PermissionDeniedError(f"JetStream refused: {exc}") from exc
+            raise BackendError(f"JetStream: {exc}") from exc
+        except nats.errors.Error as exc:
+            raise BackendError(f"NATS: {exc}") from exc
 
     async def subscribe(self, subject: str, handler: MessageHandler) -> JetStreamSubscription:
         """Deliver messages on ``subject`` to ``handler``."""

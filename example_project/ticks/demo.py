@@ -40,9 +40,10 @@ from django.core.management.base import CommandError
 from django.test.utils import override_settings
 
 from celery_nats_leader.errors import ElectionError
-from celery_nats_leader.nats.connection import ConnectOptions, connect
-from celery_nats_leader.nats.jetstream import JetStreamBackend
-from django_nats_leader.operations import fetch_report, run_once
+from celery_nats_leader.nats import ConnectOptions, open_backend
+from celery_nats_leader.ops.bucket import delete_bucket
+from celery_nats_leader.ops.oneshot import run_once
+from celery_nats_leader.ops.status import fetch_report
 from ticks.ledger import Run, Verdict, verify
 
 #: Seconds a replica gets for a warm shutdown before it is killed.
@@ -467,29 +468,24 @@ def _settings() -> Any:
 
 async def _jetstream_ready(url: str) -> bool:
     try:
-        nc = await connect(ConnectOptions(servers=(url,)), timeout=1.5, name="demo-probe")
+        backend = await open_backend(ConnectOptions(servers=(url,)), timeout=1.5, name="demo-probe")
     except ElectionError:
         return False
-    try:
-        reply = await JetStreamBackend(nc).request("$JS.API.INFO", b"", timeout=1.5)
-        return "error" not in json.loads(reply)
-    except (ElectionError, ValueError):
-        return False
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.close()
+    async with backend:
+        try:
+            reply = await backend.request("$JS.API.INFO", b"", timeout=1.5)
+            return "error" not in json.loads(reply)
+        except (ElectionError, ValueError):
+            return False
 
 
 async def _delete_buckets(url: str, buckets: list[str]) -> None:
-    nc = await connect(ConnectOptions(servers=(url,)), timeout=2, name="demo-cleanup")
-    try:
-        backend = JetStreamBackend(nc)
+    async with await open_backend(
+        ConnectOptions(servers=(url,)), timeout=2, name="demo-cleanup"
+    ) as backend:
         for bucket in buckets:
             with contextlib.suppress(ElectionError):
-                await backend.request(f"$JS.API.STREAM.DELETE.KV_{bucket}", b"", timeout=2)
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.close()
+                await delete_bucket(backend, bucket, timeout=2)
 
 
 def main(write: Callable[[str], None], style: Any, **options: Any) -> bool:

@@ -16,17 +16,12 @@ from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.config import validate_key
 from celery_nats_leader.errors import ConfigError, ElectionError
+from celery_nats_leader.nats import open_backend
+from celery_nats_leader.ops.oneshot import operator_name, run_once
+from celery_nats_leader.ops.status import StatusReport, fetch_report, read_report
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
 from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
-from django_nats_leader.operations import (
-    StatusReport,
-    fetch_report,
-    open_backend,
-    operator_name,
-    read_report,
-    run_once,
-)
 from django_nats_leader.render import status_text
 
 #: ANSI: cursor home, clear screen (``--watch`` on a terminal).
@@ -121,8 +116,10 @@ class Command(BaseCommand):
         last: list[StatusReport] = []
 
         async def loop() -> None:
-            async with open_backend(
-                settings, timeout=options["timeout"], name=operator_name("election_status --watch")
+            async with await open_backend(
+                settings.connection,
+                timeout=options["timeout"],
+                name=operator_name("election_status --watch"),
             ) as backend:
                 shown = 0
                 while True:
