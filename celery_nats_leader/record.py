@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_nats_leader.backend import KVEntry, Operation
 from celery_nats_leader.constants import RECORD_VERSION
 from celery_nats_leader.errors import RecordFormatError
 from celery_nats_leader.token import FencingToken
@@ -137,26 +136,3 @@ def decode_record(value: bytes, revision: int) -> LeaderRecord:
     return LeaderRecord(
         id=instance_id, token=token, epoch=epoch, revision=revision, priority=priority, meta=meta
     )
-
-
-def record_of(entry: KVEntry | None) -> LeaderRecord | None:
-    """The leader record a KV entry holds, or ``None``.
-
-    ``None`` for no entry, a delete or purge marker (a released term), or a
-    value that is not a record of this package. Callers that must tell the
-    last case apart (the election logs it, status reports it) use
-    :func:`decode_record`.
-
-    Args:
-        entry: The entry read from the bucket, or ``None``.
-
-    Returns:
-        The record, or ``None``.
-
-    """
-    if entry is None or entry.operation is not Operation.PUT:
-        return None
-    try:
-        return decode_record(entry.value, entry.revision)
-    except RecordFormatError:
-        return None

@@ -34,12 +34,8 @@ from celery_nats_leader.backend import Backend, Bucket, KVEntry, Operation
 from celery_nats_leader.backoff import Backoff
 from celery_nats_leader.election.base import (
     BaseElection,
-    DemoteCallback,
     DemoteReason,
     ElectionState,
-    ErrorCallback,
-    LeaderChangeCallback,
-    PromoteCallback,
     control_subject,
 )
 from celery_nats_leader.errors import (
@@ -56,6 +52,7 @@ from celery_nats_leader.errors import (
     RevisionMismatchError,
 )
 from celery_nats_leader.record import LeaderRecord, decode_record, encode_record
+from celery_nats_leader.term import read_term
 from celery_nats_leader.token import FencingToken
 
 logger = logging.getLogger(__name__)
@@ -235,17 +232,11 @@ class Election(BaseElection):
         if not self.is_leader or token is None or self._bucket is None:
             return False
         try:
-            entry = await self._bucket.get(self.role, timeout=self.config.request_timeout)
+            term = await read_term(self._bucket, self.role, timeout=self.config.request_timeout)
         except ElectionError as exc:
             logger.debug("%s: token validation could not read the key: %s", self.role, exc)
             return False
-        record = self._decode(entry) if entry is not None else None
-        ok = (
-            record is not None
-            and record.token == token.value
-            and record.id == self.instance_id
-            and record.epoch == token.epoch
-        )
+        ok = term is not None and term.holds(token, self.instance_id)
         self._observer.validation(self.role, self.instance_id, ok)
         if not ok:
             if self._token is token:
@@ -254,7 +245,7 @@ class Election(BaseElection):
                     self.role,
                     token,
                 )
-                reason = DemoteReason.KEY_DELETED if entry is None else DemoteReason.TOKEN_MISMATCH
+                reason = DemoteReason.KEY_DELETED if term is None else DemoteReason.TOKEN_MISMATCH
                 self._demote(reason)
             return False
         return self.is_leader and self._token is token
@@ -609,9 +600,7 @@ class Election(BaseElection):
         # The watch may have delivered our own create before its acknowledgement
         # (we were still a candidate): the change was reported then already.
         previous = self._leader
-        already_reported = (
-            previous is not None and previous.token == token.value and previous.epoch == token.epoch
-        )
+        already_reported = previous is not None and previous.holds(token)
         self._leader = LeaderRecord(
             id=cfg.instance_id,
             token=token.value,
@@ -912,16 +901,4 @@ class Election(BaseElection):
             await self._respond(reply, self.describe())
 
 
-# The states, reasons, callback types and control_subject were defined here
-# first (now in election_base): they stay importable from this module.
-__all__ = [
-    "PERMANENT_ERRORS",
-    "DemoteCallback",
-    "DemoteReason",
-    "Election",
-    "ElectionState",
-    "ErrorCallback",
-    "LeaderChangeCallback",
-    "PromoteCallback",
-    "control_subject",
-]
+__all__ = ["PERMANENT_ERRORS", "Election"]

@@ -21,8 +21,9 @@ from celery_nats_leader.election.base import control_subject
 from celery_nats_leader.errors import BackendTimeoutError, NotLeaderError
 from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.oneshot import run_once
-from celery_nats_leader.record import LeaderRecord, record_of
+from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.term import read_term, term_of
 
 
 @dataclass(frozen=True)
@@ -80,16 +81,19 @@ async def resign_leader(
 
     """
     kv = await backend.open_bucket(bucket, ttl=None, create=False, replicas=1, timeout=timeout)
-    previous = record_of(await kv.get(role, timeout=timeout))
+    term = await read_term(kv, role, timeout=timeout)
+    previous = term.record if term is not None else None
     if previous is None:
         raise NotLeaderError(f"nobody leads role {role!r} in bucket {bucket!r}")
     successor: list[LeaderRecord] = []
     arrived = asyncio.Event()
 
     def on_entry(entry: KVEntry) -> None:
-        record = record_of(entry)
-        if record is not None and record.epoch > previous.epoch and not successor:
-            successor.append(record)
+        new = term_of(entry)
+        if successor or new is None or new.record is None:
+            return
+        if new.epoch > previous.epoch:
+            successor.append(new.record)
             arrived.set()
 
     watch = await kv.watch(role, on_entry)
