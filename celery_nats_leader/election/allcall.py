@@ -49,7 +49,7 @@ when a term begins, carried in every message. Within a connected cluster
 every new term's epoch exceeds every earlier term's; a leader that hears of
 an epoch above its own (a concurrent term, after a partition healed) ends
 its term and starts a new one above it. Across a partition epochs are not
-ordered by causality: see the README's ALLCALL section.
+ordered by causality: see docs/allcall.md.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class AllcallElection(BaseElection):
     Implements :class:`~celery_nats_leader.election.interface.LeaderElection` with the
     same semantics as :class:`~celery_nats_leader.election.Election` where
     they apply; see the module docstring for the algorithm and the clock
-    assumption, and the README's ALLCALL section for the guarantees.
+    assumption, and docs/allcall.md for the guarantees.
 
     Constructed like every strategy (see
     :class:`~celery_nats_leader.election.base.BaseElection` for the
