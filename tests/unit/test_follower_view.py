@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_nats_leader.clock import ManualClock
-from celery_nats_leader.follower_view import FollowerView
+from celery_nats_leader.election.follower_view import FollowerView
 
 TTL = 1.0
 MARGIN = 0.01
