@@ -51,9 +51,12 @@ DEFAULT_PRIORITY_STEP_SECONDS = 0.01
 #: Longest priority-based campaign delay, in seconds, whatever the gap.
 MAX_PRIORITY_LAG_SECONDS = 0.5
 
-#: How often a follower retries a campaign while the server has not yet
-#: removed an expired key (its expiry timer has a few milliseconds of slack).
-EXPIRY_RETRY_SECONDS = 0.01
+#: Seconds beyond the TTL after which a follower deletes a record it saw
+#: unchanged (conditionally at that revision) instead of waiting for the
+#: server's ``max_age`` timer, which fires up to ~250 ms late on 2.10+.
+#: The leader already stepped down ``lease_margin`` before the TTL; this only
+#: keeps the follower no earlier than the server could be (docs/design.md).
+FOLLOWER_EXPIRY_MARGIN_SECONDS = 0.01
 
 #: Consecutive health-check failures that make a leader resign.
 DEFAULT_HEALTH_CHECK_FAILURES = 3

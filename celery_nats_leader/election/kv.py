@@ -47,6 +47,7 @@ from celery_nats_leader.election.base import (
     PromoteCallback,
     control_subject,
 )
+from celery_nats_leader.election.follower_view import FollowerView
 from celery_nats_leader.election.observer import ElectionObserver
 from celery_nats_leader.errors import (
     BackendError,
@@ -129,11 +130,8 @@ class Election(BaseElection):
 
         # What we know of the key (both sides).
         self._leader: LeaderRecord | None = None
-        self._observed_revision = 0
-        self._observed_present = False
-        self._observed_at = 0.0
-        self._campaign_at = 0.0
-        self._expiry_retry_until = 0.0
+        # Revision seen, since when, when to campaign: arithmetic kept apart.
+        self._view = FollowerView(ttl=config.ttl, expiry_margin=c.FOLLOWER_EXPIRY_MARGIN_SECONDS)
         self._last_read_at = 0.0
         self._bad_record_revision = 0
         self._issued_tokens: deque[str] = deque(maxlen=_REMEMBERED_TOKENS)
@@ -210,11 +208,11 @@ class Election(BaseElection):
             )
         )
         now = self._clock.monotonic()
-        self._campaign_at = now
+        self._view.start(now)
         self._last_read_at = now
         # Read first, so that "someone else leads" is known before start() returns.
         self._observe(await self._bucket.get(cfg.role, timeout=max(cfg.request_timeout, 2.0)))
-        if self._observed_present:
+        if self._view.present:
             self._decided.set()
         self._subscriptions.append(await self._bucket.watch(cfg.role, self._on_watch))
         await self._announce({"hello": {"id": cfg.instance_id, "priority": cfg.priority}})
@@ -378,28 +376,18 @@ class Election(BaseElection):
     def _observe(self, entry: KVEntry | None, *, authoritative: bool = False) -> None:
         """Take note of what the key holds (from the watch, a read or a write)."""
         now = self._clock.monotonic()
-        if entry is not None and entry.revision < self._observed_revision and not authoritative:
-            return  # an older event delivered late
-        if (
-            entry is not None
-            and entry.revision == self._observed_revision
-            and self._observed_present
+        present = entry is not None and entry.operation is Operation.PUT
+        if not self._view.observe(
+            entry.revision if entry is not None else None,
+            present,
+            now,
+            self._campaign_delay(),
+            authoritative=authoritative,
         ):
             return
-        present = entry is not None and entry.operation is Operation.PUT
-        if entry is None and not self._observed_present and self._observed_revision == 0:
-            # Still empty: keep the campaign time already chosen.
-            return
         previous_leader = self._leader
-        self._observed_revision = entry.revision if entry is not None else self._observed_revision
-        self._observed_present = present
-        self._observed_at = now
-        self._expiry_retry_until = 0.0
         if present and entry is not None:
-            record = self._decode(entry)
-            self._leader = record
-            # It can only have expired TTL after we first saw it.
-            self._campaign_at = now + self.config.ttl + self._campaign_delay()
+            self._leader = self._decode(entry)
             # Someone else holds the role: we follow, and start() may return.
             # (Without this, a candidate that learned of the leader from the
             # watch before its first campaign waited a whole TTL in start().)
@@ -409,7 +397,6 @@ class Election(BaseElection):
                 self._decided.set()
         else:
             self._leader = None
-            self._campaign_at = now + self._campaign_delay()
         if (previous_leader is None) != (self._leader is None) or (
             previous_leader is not None
             and self._leader is not None
@@ -463,9 +450,9 @@ class Election(BaseElection):
         ):
             await self._clear_leftover(self._leader)
             return
-        if self._observed_present and self._leader is not None:
+        if self._view.present and self._leader is not None:
             await self._maybe_take_over(self._leader.id, self._leader.priority, now)
-        campaign_at = max(self._campaign_at, self._sit_out_until)
+        campaign_at = max(self._view.campaign_at, self._sit_out_until)
         resync_at = self._last_read_at + cfg.resync_interval
         if now >= campaign_at:
             await self._campaign()
@@ -487,10 +474,10 @@ class Election(BaseElection):
             logger.debug("%s: resync read failed: %s", self.role, exc)
             return
         self._backoff.success()
-        if entry is None and self._observed_present:
+        if entry is None and self._view.present:
             # Gone without an event: expired. Campaign now (after jitter).
             self._observe(None, authoritative=True)
-        elif entry is not None and entry.revision != self._observed_revision:
+        elif entry is not None and entry.revision != self._view.revision:
             self._observe(entry, authoritative=True)
 
     async def _campaign(self) -> None:
@@ -502,8 +489,11 @@ class Election(BaseElection):
         # What we knew when we decided to campaign. The watch may report the
         # winner's record while our create is in flight; that record must not
         # be mistaken for the one we expected to expire.
-        expected = (self._observed_revision, self._observed_present)
+        expected = (self._view.revision, self._view.present)
         send = self._clock.monotonic()
+        expired = self._view.expired_revision(send)
+        if expired is not None and not await self._delete_expired(expired):
+            return
         try:
             revision = await self._bucket.create(
                 cfg.role, self._record_bytes(token_value, None), timeout=cfg.request_timeout
@@ -532,7 +522,7 @@ class Election(BaseElection):
         except NotConnectedError:
             # Nothing was sent, so nothing to back off from: look again soon.
             self._set_state(ElectionState.FOLLOWER)
-            self._campaign_at = self._clock.monotonic() + min(0.25, cfg.heartbeat_interval / 4)
+            self._view.retry_at(self._clock.monotonic() + min(0.25, cfg.heartbeat_interval / 4))
             return
         except (BackendError, RevisionMismatchError) as exc:
             logger.debug("%s: campaign failed: %s", self.role, exc)
@@ -551,7 +541,46 @@ class Election(BaseElection):
                 self._backoff.failures,
                 delay,
             )
-        self._campaign_at = self._clock.monotonic() + delay
+        self._view.retry_at(self._clock.monotonic() + delay)
+
+    async def _delete_expired(self, revision: int) -> bool:
+        """Delete a record gone unrenewed past its TTL, conditionally at its revision.
+
+        Follower-driven expiry: the server's ``max_age`` timer fires up to
+        ~250 ms late on nats-server 2.10+ (and has been seen not to fire on a
+        replica), so a follower that saw ``revision`` unchanged for TTL plus a
+        margin ends it itself. The leader of that revision stepped down before
+        (docs/design.md), and the delete names the revision, so a renewal that
+        landed meanwhile makes it fail instead of removing a live term.
+
+        Returns:
+            ``True`` to go on with the campaign; ``False`` when the key moved
+            on (what it holds now has been observed) or the delete failed.
+        """
+        assert self._bucket is not None
+        try:
+            await self._bucket.delete(self.role, last=revision, timeout=self.config.request_timeout)
+        except PERMANENT_ERRORS:
+            raise
+        except RevisionMismatchError:
+            # Renewed, released or expired by the server meanwhile: learn which.
+            entry = await self._read_quietly()
+            self._set_state(ElectionState.FOLLOWER)
+            if entry is not None and entry.revision == revision:
+                self._retry_later()  # the store still shows it: never spin
+            else:
+                self._observe(entry, authoritative=True)
+            return False
+        except ElectionError as exc:
+            # The delete may or may not have landed; the watch will tell.
+            logger.debug("%s: could not delete the expired record: %s", self.role, exc)
+            self._set_state(ElectionState.FOLLOWER)
+            self._retry_later()
+            return False
+        logger.info(
+            "%s: record at revision %d went unrenewed for the TTL; deleted it", self.role, revision
+        )
+        return True
 
     async def _after_lost_campaign(self, expected_revision: int, expected_present: bool) -> None:
         """The key is held: learn by whom, or retry if it is only slow to expire.
@@ -565,18 +594,13 @@ class Election(BaseElection):
         now = self._clock.monotonic()
         if entry is None:
             # Freed between our create and our read: try again right away.
-            self._campaign_at = now + self._campaign_delay()
+            self._view.retry_at(now + self._campaign_delay())
             return
         if entry.revision == expected_revision and expected_present:
-            # The record we expected to expire is still there: the server's
-            # expiry timer has a few milliseconds of slack. Retry briefly.
-            if self._expiry_retry_until == 0.0:
-                self._expiry_retry_until = now + max(0.5, self.config.ttl * 0.25)
-            if now < self._expiry_retry_until:
-                self._campaign_at = now + c.EXPIRY_RETRY_SECONDS
-                return
-            # Much later than possible: count from now, conservatively.
-            self._observed_revision = 0
+            # The record we campaigned against is not over yet by our count:
+            # come back when we may delete it ourselves.
+            self._view.retry_at(max(now, self._view.expires_at) + self._campaign_delay())
+            return
         self._observe(entry, authoritative=True)
         self._backoff.success()
 
@@ -654,9 +678,7 @@ class Election(BaseElection):
             priority=cfg.priority,
             meta=dict(cfg.meta),
         )
-        self._observed_revision = revision
-        self._observed_present = True
-        self._observed_at = now
+        self._view.observe(revision, True, now, 0.0, authoritative=True)
         self._release_reason = None
         self._disconnected_since = None
         self._backoff.success()
@@ -820,7 +842,7 @@ class Election(BaseElection):
             return send  # demoted while the write was in flight
         self._observer.heartbeat(self.role, self.instance_id, self._clock.monotonic() - send, True)
         self._revision = revision
-        self._observed_revision = max(self._observed_revision, revision)
+        self._view.observe(revision, True, self._clock.monotonic(), 0.0)
         self._confirm(send)
         self._backoff.success()
         logger.debug("%s: renewed at revision %d", self.role, revision)
