@@ -307,6 +307,11 @@ class NatsServer:
     # -- properties ---------------------------------------------------------
 
     @property
+    def binary(self) -> str:
+        """The ``nats-server`` executable this server runs."""
+        return self._binary
+
+    @property
     def url(self) -> str:
         """Client URL, ``nats://127.0.0.1:PORT``."""
         return f"nats://{self._host}:{self._port}"
