@@ -51,6 +51,15 @@ DEFAULT_PRIORITY_STEP_SECONDS = 0.01
 #: Longest priority-based campaign delay, in seconds, whatever the gap.
 MAX_PRIORITY_LAG_SECONDS = 0.5
 
+#: Delay, in seconds, per candidate of the same priority ahead in line (by
+#: id) before a follower campaigns for a free role. The first in line goes at
+#: once; the others follow a step apart (plus the jitter), in case it is gone.
+SUCCESSOR_STEP_SECONDS = 0.002
+
+#: A roster entry not refreshed for this many heartbeats is dropped: followers
+#: announce themselves every heartbeat, crashed candidates stop doing so.
+ROSTER_EXPIRY_HEARTBEATS = 3
+
 #: Seconds beyond the TTL after which a follower deletes a record it saw
 #: unchanged (conditionally at that revision) instead of waiting for the
 #: server's ``max_age`` timer, which fires up to ~250 ms late on 2.10+.

@@ -37,6 +37,8 @@ class FollowerView:
         present: Whether that revision holds a record (not a delete).
         seen_at: When ``revision`` was first seen, on the follower's clock.
         campaign_at: When to campaign next, on the follower's clock.
+        free_revision: The revision of the delete the key was last seen to
+            hold (a candidate may write right after it), or ``None``.
 
     """
 
@@ -46,6 +48,7 @@ class FollowerView:
     present: bool = False
     seen_at: float = 0.0
     campaign_at: float = 0.0
+    free_revision: int | None = None
 
     def start(self, now: float) -> None:
         """Nothing is known yet: campaign as soon as the key is found empty."""
@@ -53,6 +56,7 @@ class FollowerView:
         self.present = False
         self.seen_at = now
         self.campaign_at = now
+        self.free_revision = None
 
     def observe(
         self,
@@ -86,6 +90,7 @@ class FollowerView:
             return False  # still empty: keep the campaign time already chosen
         if revision is not None:
             self.revision = revision
+        self.free_revision = revision if not present else None
         self.present = present
         self.seen_at = now
         # A record can only be over ttl after we first saw it; an empty key

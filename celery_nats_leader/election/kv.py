@@ -49,6 +49,7 @@ from celery_nats_leader.election.base import (
 )
 from celery_nats_leader.election.follower_view import FollowerView
 from celery_nats_leader.election.observer import ElectionObserver
+from celery_nats_leader.election.roster import Roster
 from celery_nats_leader.errors import (
     BackendError,
     BackendTimeoutError,
@@ -135,7 +136,12 @@ class Election(BaseElection):
         self._last_read_at = 0.0
         self._bad_record_revision = 0
         self._issued_tokens: deque[str] = deque(maxlen=_REMEMBERED_TOKENS)
-        self._roster: dict[str, int] = {}
+        self._roster = Roster(
+            own_id=config.instance_id,
+            own_priority=config.priority,
+            expiry=c.ROSTER_EXPIRY_HEARTBEATS * config.heartbeat_interval,
+        )
+        self._next_announce_at = 0.0
 
         self._backoff = Backoff(
             breaker_cooldown=min(
@@ -196,7 +202,6 @@ class Election(BaseElection):
             timeout=max(cfg.request_timeout, 2.0),
         )
         self._callbacks.start()
-        self._roster[cfg.instance_id] = cfg.priority
         self._subscriptions.append(
             await backend.subscribe(
                 control_subject(cfg.bucket, cfg.role, c.ROSTER_VERB), self._on_roster
@@ -215,7 +220,15 @@ class Election(BaseElection):
         if self._view.present:
             self._decided.set()
         self._subscriptions.append(await self._bucket.watch(cfg.role, self._on_watch))
-        await self._announce({"hello": {"id": cfg.instance_id, "priority": cfg.priority}})
+        # Every candidate answers a hello to our own inbox (one small message
+        # each, not a broadcast), so that we know our place in line at once.
+        roster = control_subject(cfg.bucket, cfg.role, c.ROSTER_VERB)
+        inbox = f"{roster}.{uuid.uuid4().hex}"
+        self._subscriptions.append(await backend.subscribe(inbox, self._on_roster))
+        await self._announce(
+            {"hello": {"id": cfg.instance_id, "priority": cfg.priority}}, reply=inbox
+        )
+        self._next_announce_at = self._clock.monotonic() + cfg.heartbeat_interval
         self._set_state(ElectionState.FOLLOWER)
 
     async def _abandon_start(self) -> None:
@@ -362,14 +375,26 @@ class Election(BaseElection):
             meta=self.config.meta,
         )
 
-    def _campaign_delay(self) -> float:
-        """Jitter plus a lag for every priority point below the best candidate known."""
-        best = max(self._roster.values(), default=self.config.priority)
-        lag = min(
-            c.MAX_PRIORITY_LAG_SECONDS,
-            self.config.priority_step * max(0, best - self.config.priority),
+    def _campaign_delay(self, leaving: str | None = None) -> float:
+        """How long to wait before campaigning once the role is free.
+
+        A lag for every priority point below the best live candidate, then a
+        fixed order among equals: the first in line goes at once, the k-th
+        waits k successor steps plus a random jitter (a herd stays spread out
+        if the first in line is gone).
+
+        Args:
+            leaving: The holder of the term that ends (not in line).
+        """
+        points, rank = self._roster.place(self._clock.monotonic(), leaving=leaving)
+        lag = min(c.MAX_PRIORITY_LAG_SECONDS, self.config.priority_step * points)
+        if rank == 0:
+            return lag
+        return (
+            lag
+            + rank * c.SUCCESSOR_STEP_SECONDS
+            + self._rng.uniform(0.0, self.config.campaign_jitter)
         )
-        return lag + self._rng.uniform(0.0, self.config.campaign_jitter)
 
     # --------------------------------------------------------- observation
 
@@ -377,17 +402,20 @@ class Election(BaseElection):
         """Take note of what the key holds (from the watch, a read or a write)."""
         now = self._clock.monotonic()
         present = entry is not None and entry.operation is Operation.PUT
+        previous_leader = self._leader
+        record = self._decode(entry) if present and entry is not None else None
+        # Whoever held the term that ends (or may end next) is not in line.
+        holder = record if present else previous_leader
         if not self._view.observe(
             entry.revision if entry is not None else None,
             present,
             now,
-            self._campaign_delay(),
+            self._campaign_delay(holder.id if holder is not None else None),
             authoritative=authoritative,
         ):
             return
-        previous_leader = self._leader
-        if present and entry is not None:
-            self._leader = self._decode(entry)
+        if present:
+            self._leader = record
             # Someone else holds the role: we follow, and start() may return.
             # (Without this, a candidate that learned of the leader from the
             # watch before its first campaign waited a whole TTL in start().)
@@ -397,6 +425,9 @@ class Election(BaseElection):
                 self._decided.set()
         else:
             self._leader = None
+            if previous_leader is not None and previous_leader.id != self.instance_id:
+                # Its term ended: if it is alive it will announce itself again.
+                self._roster.forget(previous_leader.id)
         if (previous_leader is None) != (self._leader is None) or (
             previous_leader is not None
             and self._leader is not None
@@ -404,7 +435,7 @@ class Election(BaseElection):
         ):
             self._callbacks.submit(self._change_callbacks, self._leader)
         if self._leader is not None:
-            self._roster.setdefault(self._leader.id, self._leader.priority)
+            self._roster.heard(self._leader.id, self._leader.priority, now)
 
     def _on_watch(self, entry: KVEntry) -> None:
         if self._state is ElectionState.STOPPED:
@@ -457,10 +488,16 @@ class Election(BaseElection):
         if now >= campaign_at:
             await self._campaign()
             return
+        if now >= self._next_announce_at:
+            # Followers keep their roster entries alive; a leader need not
+            # (its record says it is there, and it is never in line itself).
+            self._next_announce_at = now + cfg.heartbeat_interval
+            await self._announce({"here": {"id": cfg.instance_id, "priority": cfg.priority}})
+            return
         if now >= resync_at:
             await self._resync()
             return
-        await self._sleep_until(min(campaign_at, resync_at))
+        await self._sleep_until(min(campaign_at, resync_at, self._next_announce_at))
 
     async def _resync(self) -> None:
         """Read the key: backs up a watch that may miss expiries or go blind."""
@@ -491,13 +528,14 @@ class Election(BaseElection):
         # be mistaken for the one we expected to expire.
         expected = (self._view.revision, self._view.present)
         send = self._clock.monotonic()
+        free_revision = self._view.free_revision
         expired = self._view.expired_revision(send)
-        if expired is not None and not await self._delete_expired(expired):
-            return
+        if expired is not None:
+            free_revision = await self._delete_expired(expired)
+            if free_revision is None:
+                return
         try:
-            revision = await self._bucket.create(
-                cfg.role, self._record_bytes(token_value, None), timeout=cfg.request_timeout
-            )
+            revision = await self._claim(self._record_bytes(token_value, None), free_revision)
         except KeyExistsError:
             self._observer.campaign(self.role, self.instance_id, False)
             await self._after_lost_campaign(*expected)
@@ -543,7 +581,28 @@ class Election(BaseElection):
             )
         self._view.retry_at(self._clock.monotonic() + delay)
 
-    async def _delete_expired(self, revision: int) -> bool:
+    async def _claim(self, value: bytes, free_revision: int | None) -> int:
+        """Create the role's key; return the new term's revision.
+
+        Where the key is known to hold a delete (a release, or our own delete
+        of an expired record), one conditional write right after it is the
+        whole campaign; the general create needs up to three round trips.
+
+        Raises:
+            KeyExistsError: Someone else holds the role.
+        """
+        assert self._bucket is not None
+        timeout = self.config.request_timeout
+        if free_revision:
+            try:
+                return await self._bucket.update(
+                    self.role, value, last=free_revision, timeout=timeout
+                )
+            except RevisionMismatchError:
+                pass  # taken, or the delete itself is gone: create() tells which
+        return await self._bucket.create(self.role, value, timeout=timeout)
+
+    async def _delete_expired(self, revision: int) -> int | None:
         """Delete a record gone unrenewed past its TTL, conditionally at its revision.
 
         Follower-driven expiry: the server's ``max_age`` timer fires up to
@@ -554,12 +613,15 @@ class Election(BaseElection):
         landed meanwhile makes it fail instead of removing a live term.
 
         Returns:
-            ``True`` to go on with the campaign; ``False`` when the key moved
-            on (what it holds now has been observed) or the delete failed.
+            The revision of our delete, to campaign right after it; ``None``
+            when the key moved on (what it holds now has been observed) or the
+            delete failed.
         """
         assert self._bucket is not None
         try:
-            await self._bucket.delete(self.role, last=revision, timeout=self.config.request_timeout)
+            deleted = await self._bucket.delete(
+                self.role, last=revision, timeout=self.config.request_timeout
+            )
         except PERMANENT_ERRORS:
             raise
         except RevisionMismatchError:
@@ -570,17 +632,17 @@ class Election(BaseElection):
                 self._retry_later()  # the store still shows it: never spin
             else:
                 self._observe(entry, authoritative=True)
-            return False
+            return None
         except ElectionError as exc:
             # The delete may or may not have landed; the watch will tell.
             logger.debug("%s: could not delete the expired record: %s", self.role, exc)
             self._set_state(ElectionState.FOLLOWER)
             self._retry_later()
-            return False
+            return None
         logger.info(
             "%s: record at revision %d went unrenewed for the TTL; deleted it", self.role, revision
         )
-        return True
+        return deleted
 
     async def _after_lost_campaign(self, expected_revision: int, expected_present: bool) -> None:
         """The key is held: learn by whom, or retry if it is only slow to expire.
@@ -924,13 +986,15 @@ class Election(BaseElection):
         except ElectionError as exc:
             logger.warning("%s: could not release the key (%s); it will expire", self.role, exc)
 
-    async def _announce(self, body: dict[str, Any]) -> None:
+    async def _announce(self, body: dict[str, Any], reply: str | None = None) -> None:
         if self._backend is None:
             return
         cfg = self.config
         with contextlib.suppress(ElectionError):
             await self._backend.publish(
-                control_subject(cfg.bucket, cfg.role, c.ROSTER_VERB), json.dumps(body).encode()
+                control_subject(cfg.bucket, cfg.role, c.ROSTER_VERB),
+                json.dumps(body).encode(),
+                reply,
             )
 
     async def _on_roster(self, data: bytes, reply: str | None) -> None:
@@ -940,32 +1004,39 @@ class Election(BaseElection):
             return
         if isinstance(body, dict):
             hello = body.get("hello")
+            if isinstance(hello, dict) and isinstance(hello.get("id"), str) and reply:
+                # A newcomer asks who is there: answer it alone.
+                self._roster.heard(hello["id"], _priority(hello), self._clock.monotonic())
+                if hello["id"] != self.instance_id and self._backend is not None:
+                    await self._respond(
+                        reply, {"known": {"id": self.instance_id, "priority": self.config.priority}}
+                    )
+                return
             if isinstance(hello, dict) and isinstance(hello.get("id"), str):
-                priority = hello.get("priority", 0)
-                priority = priority if isinstance(priority, int) else 0
-                self._roster[hello["id"]] = priority
+                # A hello without an inbox (a candidate of an older version).
+                priority = _priority(hello)
+                self._roster.heard(hello["id"], priority, self._clock.monotonic())
                 # Introduce ourselves back only if we are preferred over the
-                # newcomer: its campaign delay depends only on the best
-                # priority above its own. Every member answering every hello
-                # (with a broadcast) cost N² messages when N candidates
-                # started together, enough to starve the leader's renewals.
-                if (
-                    hello["id"] != self.instance_id
-                    and reply is None
-                    and self.config.priority > priority
-                ):
+                # newcomer (a broadcast from every member to every newcomer
+                # cost N² messages when N candidates started together).
+                if hello["id"] != self.instance_id and self.config.priority > priority:
                     await self._announce(
                         {"known": {"id": self.instance_id, "priority": self.config.priority}}
                     )
-            known = body.get("known")
-            if isinstance(known, dict) and isinstance(known.get("id"), str):
-                priority = known.get("priority", 0)
-                self._roster[known["id"]] = priority if isinstance(priority, int) else 0
+            for kind in ("known", "here"):
+                entry = body.get(kind)
+                if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                    self._roster.heard(entry["id"], _priority(entry), self._clock.monotonic())
             bye = body.get("bye")
             if isinstance(bye, dict) and bye.get("id") != self.instance_id:
-                self._roster.pop(str(bye.get("id")), None)
+                self._roster.forget(str(bye.get("id")))
         if reply and self._backend is not None:
             await self._respond(reply, self.describe())
+
+
+def _priority(entry: dict[str, Any]) -> int:
+    priority = entry.get("priority", 0)
+    return priority if isinstance(priority, int) else 0
 
 
 # The states, reasons, callback types and control_subject were defined here

@@ -130,10 +130,10 @@ class JetStreamBucket:
         """Write ``value`` unconditionally; return the revision."""
         return await self._write(key, value, last=None, timeout=timeout)
 
-    async def delete(self, key: str, *, last: int, timeout: float) -> None:
-        """Delete ``key`` only if its latest revision is ``last``."""
+    async def delete(self, key: str, *, last: int, timeout: float) -> int:
+        """Delete ``key`` only if its latest revision is ``last``; return the delete's revision."""
         headers = {_KV_OPERATION: Operation.DELETE.value}
-        await self._write(key, b"", last=last, timeout=timeout, headers=headers)
+        return await self._write(key, b"", last=last, timeout=timeout, headers=headers)
 
     async def _write(
         self,

@@ -46,6 +46,8 @@ def test_crash_failover_starts_after_the_old_lease_and_is_not_left_to_the_server
         nc = await nats.connect(nats_server.url)
         try:
             async with KeyHistory(nc, bucket) as history:
+                # A renewal seen live: its sighting is no earlier than its send.
+                await history.until_revision(first["epoch"] + 1, timeout=TTL)
                 killed_at = await in_thread(group[first.name].kill)
                 second = await in_thread(
                     group.wait_for, "promoted", names - {first.name}, timeout=TTL + 2 * SLACK
@@ -56,6 +58,7 @@ def test_crash_failover_starts_after_the_old_lease_and_is_not_left_to_the_server
 
     killed_at, second, entries = asyncio.run(crash())
     last_renewal = [e for e in entries if e.leader == first.name][-1]
+    assert last_renewal.revision > first["epoch"]
     # The old term's lease ran from its last renewal's send time, which was no
     # later than when this watch saw it: the successor came after it ended.
     assert second.at > last_renewal.at + LEASE, (second.at - last_renewal.at, entries)
