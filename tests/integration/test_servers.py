@@ -19,7 +19,16 @@ from celery_nats_leader import Election, ElectionConfig, ElectionState
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.record import decode_record, encode_record
 from celery_nats_leader.testing import CandidateGroup, NatsServer, binary_version, server_binary
-from tests.integration.helpers import BUCKET, LEASE, ROLE, SLACK, TTL, KeyHistory, in_thread
+from tests.integration.helpers import (
+    BUCKET,
+    LEASE,
+    ROLE,
+    SLACK,
+    TTL,
+    KeyHistory,
+    in_thread,
+    poll,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -171,3 +180,40 @@ async def test_a_followers_conditional_delete_never_removes_a_renewal_at_the_dea
         assert follower.token is not None and follower.token.epoch > renewed
     finally:
         await follower.stop()
+
+
+async def test_a_bucket_the_election_creates_marks_expiry_where_the_server_can(
+    nats_server: NatsServer, nc: Client
+) -> None:
+    backend = JetStreamBackend(nc)
+    markers = backend.server_version() >= (2, 11)
+    assert backend.expiry_markers_available() is markers
+    bucket = await backend.open_bucket("marked", ttl=1.0, create=True, replicas=1, timeout=2)
+    seen: list[tuple[str, int]] = []
+    purged = asyncio.Event()
+
+    def on_change(entry: Any) -> None:
+        seen.append((entry.operation.value, entry.revision))
+        if entry.operation.value == "PURGE":
+            purged.set()
+
+    subscription = await bucket.watch("k", on_change)
+    try:
+        revision = await bucket.create("k", b"x", timeout=1)
+        if markers:
+            # 2.11+: the expiry is an event for every watcher, and a read
+            # reports the key free.
+            await asyncio.wait_for(purged.wait(), 1.0 + SLACK)
+            assert seen == [("PUT", revision), ("PURGE", revision + 1)]
+            assert await bucket.get("k", timeout=1) is None
+            # A campaign can follow it with one conditional write.
+            assert await bucket.update("k", b"y", last=revision + 1, timeout=1) == revision + 2
+        else:
+            # 2.9/2.10: the key vanishes silently (followers count the TTL themselves).
+            async def gone() -> bool:
+                return await bucket.get("k", timeout=1) is None
+
+            await poll(gone, timeout=2.0 + SLACK, what="the key expired")
+            assert seen == [("PUT", revision)]
+    finally:
+        await subscription.unsubscribe()
