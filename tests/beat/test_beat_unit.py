@@ -32,8 +32,8 @@ from celery_nats_leader.beat import (
     check_dispatch_token,
     tick_task_id,
 )
-from celery_nats_leader.beat_state import EntryState, decode_state, encode_state, state_key
-from celery_nats_leader.beat_ticks import TickPlanner, next_slot, parse_slot, slot_text
+from celery_nats_leader.beat.state import EntryState, decode_state, encode_state, state_key
+from celery_nats_leader.beat.ticks import TickPlanner, next_slot, parse_slot, slot_text
 from celery_nats_leader.elector import Elector
 from celery_nats_leader.errors import (
     BucketConfigError,
@@ -393,7 +393,7 @@ def test_the_lease_ending_before_the_send_hands_the_tick_back(make: Any, clock: 
     before = a.entry_states()["ten-seconds"]
     handle = a.beat_role
     assert handle is not None
-    store = a._nl_store
+    store = a.nats_leader_election.store
     assert store is not None
     real_update = store.update
     committed: list[Any] = []
