@@ -151,7 +151,7 @@ class ElectionConfig:
     """Largest random delay added for candidates behind the first in line when the role falls free.
 
     The first in line (by priority, then id) campaigns at once; the k-th waits
-    ``k`` successor steps plus a random delay up to this."""
+    ``k`` successor steps (2 ms) plus a random delay up to this, capped at one step."""
 
     priority_step: float = c.DEFAULT_PRIORITY_STEP_SECONDS
     """Campaign delay per priority point below the best known candidate."""

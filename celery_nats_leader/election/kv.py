@@ -380,8 +380,9 @@ class Election(BaseElection):
 
         A lag for every priority point below the best live candidate, then a
         fixed order among equals: the first in line goes at once, the k-th
-        waits k successor steps plus a random jitter (a herd stays spread out
-        if the first in line is gone).
+        waits k successor steps plus a random jitter within one step (a herd
+        stays spread out if the first in line is gone, and no one waits long
+        for a candidate that is).
 
         Args:
             leaving: The holder of the term that ends (not in line).
@@ -390,11 +391,8 @@ class Election(BaseElection):
         lag = min(c.MAX_PRIORITY_LAG_SECONDS, self.config.priority_step * points)
         if rank == 0:
             return lag
-        return (
-            lag
-            + rank * c.SUCCESSOR_STEP_SECONDS
-            + self._rng.uniform(0.0, self.config.campaign_jitter)
-        )
+        jitter = min(self.config.campaign_jitter, c.SUCCESSOR_STEP_SECONDS)
+        return lag + rank * c.SUCCESSOR_STEP_SECONDS + self._rng.uniform(0.0, jitter)
 
     # --------------------------------------------------------- observation
 
