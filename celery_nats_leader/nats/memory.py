@@ -128,13 +128,13 @@ class MemoryBucket:
         state = await self._io(timeout)
         return self._store(state, key, value, Operation.PUT)
 
-    async def delete(self, key: str, *, last: int, timeout: float) -> None:
+    async def delete(self, key: str, *, last: int, timeout: float) -> int:
         """Delete only if the latest revision is ``last``."""
         state = await self._io(timeout)
         current = state.keys.get(key)
         if current is None or current.entry.revision != last:
             raise RevisionMismatchError(f"{key!r} is not at revision {last}")
-        self._store(state, key, b"", Operation.DELETE)
+        return self._store(state, key, b"", Operation.DELETE)
 
     async def get(self, key: str, *, timeout: float) -> KVEntry | None:
         """Return the latest value or ``None``."""
