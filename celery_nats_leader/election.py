@@ -486,7 +486,9 @@ class Election(BaseElection):
         except ElectionError as exc:
             logger.debug("%s: resync read failed: %s", self.role, exc)
             return
-        self._backoff.success()
+        # A successful read says nothing about writes: with JetStream out of
+        # storage reads succeed while every create fails. Only a write's
+        # answer resets the backoff, or the breaker would never open.
         if entry is None and self._observed_present:
             # Gone without an event: expired. Campaign now (after jitter).
             self._observe(None, authoritative=True)
