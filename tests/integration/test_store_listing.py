@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from nats.js.kv import KeyValue
 
-from celery_nats_leader.backend.jetstream import JetStreamBackend, JetStreamBucket
-from celery_nats_leader.connection import ConnectOptions, connect
+from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.nats.jetstream import JetStreamBackend, JetStreamBucket
+from celery_nats_leader.ops.status import read_status
 from celery_nats_leader.record import encode_record
-from celery_nats_leader.status import read_status
 from celery_nats_leader.testing import NatsServer
 from tests.integration.helpers import BUCKET, TTL
 
