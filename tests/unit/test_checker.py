@@ -92,6 +92,10 @@ def test_a_stale_fenced_write_is_caught() -> None:
     ]
     report = check(events, ttl=TTL)
     assert [v.kind for v in report.violations] == ["stale write"]
+    # After the operator cleared the fences (bucket recreated), epochs restart.
+    reset = [*events, ev(13.0, "chaos", "fence_reset")]
+    reset.append(ev(13.1, "c3", "write", resource="pg", role="r", epoch=1, accepted=True))
+    assert [v.kind for v in check(reset, ttl=TTL).violations] == ["stale write"]
     assert "pg accepted epoch 3 from c1-old for 'r' after epoch 9" in report.violations[0].detail
     assert report.writes == {"accepted": 4, "rejected": 1}
 
@@ -142,8 +146,12 @@ def test_a_slow_graceful_handover_and_a_leader_that_never_came_back() -> None:
     slow, never = report.faults
     assert slow.leaderless["r"] == pytest.approx(0.30)
     assert never.leaderless["r"] == math.inf and not never.survived
-    assert [v.kind for v in report.violations] == ["slow failover", "slow failover"]
-    assert "| sigkill | 1 | 0 | 1 | never |" in report.table()
+    # Over the bound: reported, not a violation (timing goals are the
+    # benchmark's); a role left without a leader is one.
+    assert slow.over_bound == 1
+    assert [v.kind for v in report.violations] == ["no leader"]
+    assert "| sigkill | 1 | 0 | 1 | never | never | never | 2050 ms | 1 |" in report.table()
+    assert "| sigterm | 1 | 1 | 1 | 300 ms | 300 ms | 300 ms | 50 ms | 1 |" in report.table()
 
 
 def test_faults_that_hit_no_leader_have_no_leaderless_time() -> None:
