@@ -541,6 +541,23 @@ class Election(BaseElection):
             self._set_state(ElectionState.FOLLOWER)
             self._retry_later()
             return
+        if self._observed_revision > revision:
+            # The key changed after our create, before its acknowledgement
+            # reached us: our record is already overwritten. A clustered
+            # nats-server before 2.9.21 can accept two concurrent creates
+            # (nats-server#4320); the later one holds the key, so we lost.
+            logger.warning(
+                "%s: created the key at revision %d, but revision %d is already newer; "
+                "following (a clustered nats-server < 2.9.21 accepts concurrent creates)",
+                self.role,
+                revision,
+                self._observed_revision,
+            )
+            self._observer.campaign(self.role, self.instance_id, False)
+            self._set_state(ElectionState.FOLLOWER)
+            if self._decided is not None:
+                self._decided.set()
+            return
         self._observer.campaign(self.role, self.instance_id, True)
         self._win(FencingToken(revision, token_value), revision, send)
 
