@@ -85,6 +85,19 @@ class FileFence:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 
+    def reset(self) -> None:
+        """Forget every epoch (an operator clearing the fence with a recreated bucket)."""
+        fcntl.lockf(self._fd, fcntl.LOCK_EX)
+        try:
+            os.ftruncate(self._fd, 0)
+        finally:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """Close the file."""
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
     def write(self, role: str, epoch: int, log: EventLog) -> bool:
         """Accept a write of ``epoch`` unless a higher one was accepted; record it.
 
@@ -202,7 +215,7 @@ async def _run(args: argparse.Namespace, log: EventLog) -> int:
         nc = await connect(
             ConnectOptions(
                 servers=urls,
-                options={"reconnect_time_wait": 0.1, "max_reconnect_attempts": -1},
+                options={"reconnect_time_wait": 0.1},
             ),
             listeners=[_Waker(elections)],
             name=args.name,
