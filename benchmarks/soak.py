@@ -25,8 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-from celery_nats_leader.testing.soak import FAULT_KINDS, SoakOptions, kinds_from
-from celery_nats_leader.testing.soak_child import pg_settings
+from celery_nats_leader.testing.soak import (
+    FAULT_KINDS,
+    SoakOptions,
+    kinds_from,
+    postgres_reachable,
+)
 
 
 def server_binary(name: str) -> str:
@@ -46,26 +50,6 @@ def server_binary(name: str) -> str:
 def server_version(binary: str) -> str:
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
     return out.stdout.strip().removeprefix("nats-server: ")
-
-
-def postgres_reachable() -> bool:
-    try:
-        import psycopg2
-    except ImportError:
-        return False
-    db = pg_settings()["DATABASES"]["default"]
-    try:
-        psycopg2.connect(
-            host=db["HOST"],
-            port=db["PORT"],
-            user=db["USER"],
-            password=db["PASSWORD"],
-            dbname=db["NAME"],
-            connect_timeout=3,
-        ).close()
-    except psycopg2.Error:
-        return False
-    return True
 
 
 def main() -> int:

@@ -59,7 +59,7 @@ from celery_nats_leader.testing.nats_server import NatsCluster, _thread_states
 from celery_nats_leader.testing.soak_child import MODULE as CHILD_MODULE
 from celery_nats_leader.testing.soak_child import EventLog, FileFence, pg_settings
 
-__all__ = ["FAULT_KINDS", "Soak", "SoakOptions", "run_soak"]
+__all__ = ["FAULT_KINDS", "Soak", "SoakOptions", "kinds_from", "postgres_reachable", "run_soak"]
 
 logger = logging.getLogger(__name__)
 
@@ -523,15 +523,21 @@ class Soak:
     def _schedule(self, progress: Callable[[str], None] | None) -> None:
         kinds = [k for k, w in self.options.kinds.items() if w > 0]
         weights = [self.options.kinds[k] for k in kinds]
+        # Every kind once first (in random order), then by weight: even a
+        # short run meets each kind.
+        first = self.rng.sample(kinds, len(kinds))
         while self.injected < self.options.faults:
             time.sleep(self.rng.expovariate(1.0 / self.options.mean_gap))
             self._threads = [t for t in self._threads if t.is_alive()]
             if len(self._threads) >= self.options.max_concurrent:
                 continue
-            kind = self.rng.choices(kinds, weights)[0]
+            kind = first[0] if first else self.rng.choices(kinds, weights)[0]
             before = self.injected
-            if self._inject(kind) and progress is not None and before % 10 == 0:
-                progress(f"{before}/{self.options.faults} faults injected")
+            if self._inject(kind):
+                if first and first[0] == kind:
+                    first.pop(0)
+                if progress is not None and before % 10 == 0:
+                    progress(f"{before}/{self.options.faults} faults injected")
             # Restart any candidate that exited on its own (an error).
             for cand in self.candidates:
                 if not cand.busy and not cand.alive:
@@ -626,6 +632,27 @@ def run_soak(options: SoakOptions, progress: Callable[[str], None] | None = None
 
     """
     return Soak(options).run(progress)
+
+
+def postgres_reachable() -> bool:
+    """Whether the PostgreSQL fence's database answers (``CNL_PG_*``, db ``test``)."""
+    try:
+        import psycopg2  # type: ignore[import-untyped]
+    except ImportError:
+        return False
+    db = pg_settings()["DATABASES"]["default"]
+    try:
+        psycopg2.connect(
+            host=db["HOST"],
+            port=db["PORT"],
+            user=db["USER"],
+            password=db["PASSWORD"],
+            dbname=db["NAME"],
+            connect_timeout=3,
+        ).close()
+    except psycopg2.Error:
+        return False
+    return True
 
 
 def kinds_from(names: Sequence[str]) -> dict[str, float]:

@@ -1,0 +1,33 @@
+"""The short chaos soak: at least 30 random faults, every kind at least once.
+
+A 3-node cluster with an R3 bucket, five candidate processes on two roles
+with file and PostgreSQL fences, and faults in combinations (see
+:mod:`celery_nats_leader.testing.soak`). The independent checker reads the
+recorded events; any violation fails the test, with the checker's table and
+the seed (``benchmarks/soak.py --seed N --faults 30 --ttl 1`` replays the
+schedule). About a minute of wall time.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_nats_leader.testing.services import IN_CI
+from celery_nats_leader.testing.soak import FAULT_KINDS, Soak, SoakOptions, postgres_reachable
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_short_soak_has_no_violation() -> None:
+    pg = postgres_reachable()
+    if IN_CI and not pg:
+        pytest.fail("PostgreSQL (db 'test' on 127.0.0.1:5432) is required when CI=true")
+    soak = Soak(SoakOptions(faults=30, ttl=1.0, mean_gap=0.7, max_concurrent=3, pg=pg))
+    report = soak.run()
+    table = f"seed {soak.seed}, events in {soak.workdir}\n{report.table()}"
+    assert report.ok, table
+    assert len(report.faults) >= 30, table
+    assert {f.kind for f in report.faults} == set(FAULT_KINDS), table
+    assert report.overlap_seconds == 0.0, table
+    assert report.writes["accepted"] > 100, table  # the leaders did work all along
+    print(table)
