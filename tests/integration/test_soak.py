@@ -18,6 +18,7 @@ from celery_nats_leader.testing.soak import FAULT_KINDS, Soak, SoakOptions, post
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
+@pytest.mark.timeout(240)
 def test_short_soak_has_no_violation() -> None:
     pg = postgres_reachable()
     if IN_CI and not pg:
