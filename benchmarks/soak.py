@@ -62,6 +62,12 @@ def main() -> int:
     parser.add_argument("--kinds", default=",".join(FAULT_KINDS), help="comma-separated")
     parser.add_argument("--server", default="system", help="system, newest or a path")
     parser.add_argument("--no-pg", action="store_true", help="skip the PostgreSQL fence")
+    parser.add_argument("--beats", type=int, default=3, help="celery beat replicas (0: none)")
+    parser.add_argument(
+        "--broker",
+        default=os.environ.get("CNL_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="the beat's broker",
+    )
     parser.add_argument("--seed", type=int)
     parser.add_argument("--keep", action="store_true", help="keep events and logs on success")
     args = parser.parse_args()
@@ -79,11 +85,15 @@ def main() -> int:
         binary=binary,
         pg=pg,
         seed=args.seed,
+        beats=args.beats,
+        beat_app_dir=Path(__file__).resolve().parent.parent / "tests" / "beat",
+        broker_url=args.broker,
     )
     started = time.monotonic()
     print(
         f"soak: {args.faults} faults, TTL {args.ttl:g} s, {args.candidates} candidates on 2 "
-        f"roles, nats-server {server_version(binary)} x3 (R3), "
+        f"roles, {args.beats} celery beat replicas (1-s entry), "
+        f"nats-server {server_version(binary)} x3 (R3), "
         f"fences: file{' + PostgreSQL' if pg else ''}; "
         f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
         flush=True,

@@ -40,6 +40,7 @@ import logging
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -101,6 +102,11 @@ class SoakOptions:
         seed: Random seed (printed, so a run can be replayed).
         workdir: Where events and logs go (a new temp dir by default).
         quiet: Seconds without faults before the final stop.
+        beats: ``celery beat`` replicas (0: none), with one worker running
+            their ticks; they need ``beat_app_dir`` and ``broker_url``.
+        beat_app_dir: The directory of the beat tests' Celery app
+            (``tests/beat``: ``cnl_beat_app`` and its ledger).
+        broker_url: The beat's broker (Redis or RabbitMQ).
 
     """
 
@@ -116,15 +122,23 @@ class SoakOptions:
     seed: int | None = None
     workdir: Path | None = None
     quiet: float = 0.0
+    beats: int = 0
+    beat_app_dir: Path | None = None
+    broker_url: str = ""
 
 
 class _Candidate:
-    def __init__(self, soak: Soak, name: str) -> None:
+    """A soak process: an election candidate (behind its own fault proxies) or a beat."""
+
+    def __init__(self, soak: Soak, name: str, *, beat: bool = False) -> None:
         self.soak = soak
         self.name = name
-        self.proxies = [
-            ThreadedFaultProxy(server.host, server.port) for server in soak.cluster.servers
-        ]
+        self.beat = beat
+        self.proxies = (
+            []
+            if beat
+            else [ThreadedFaultProxy(server.host, server.port) for server in soak.cluster.servers]
+        )
         for proxy in self.proxies:
             proxy.start()
         self.process: subprocess.Popen[bytes] | None = None
@@ -148,6 +162,9 @@ class _Candidate:
                 self._end_logged = True
 
     def _start(self) -> None:
+        if self.beat:
+            self._spawn(self.soak.beat_command(self.name), self.soak.beat_env())
+            return
         opts = self.soak.options
         cmd = [sys.executable, "-m", CHILD_MODULE, "--id", self.name]
         for proxy in self.proxies:
@@ -166,10 +183,13 @@ class _Candidate:
         ]
         if opts.pg:
             cmd.append("--pg")
+        self._spawn(cmd, None)
+
+    def _spawn(self, cmd: list[str], env: dict[str, str] | None) -> None:
         log = open(self.soak.logs_dir / f"{self.name}.log", "ab")  # noqa: SIM115 - owned by Popen
         try:
             self.process = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
             )
         finally:
             log.close()
@@ -221,6 +241,11 @@ class Soak:
             extra_args=["-c", str(self.config_path)],
         )
         self.candidates: list[_Candidate] = []
+        self.beat_role = f"beat-{run_id}"
+        self.beat_queue = f"soak-{run_id}"
+        self.ledger_path = self.workdir / "ledger.sqlite3"
+        self.t0 = time.time()
+        self.worker: subprocess.Popen[bytes] | None = None
         self._leaders: dict[str, str] = {}
         self._offsets: dict[Path, int] = {}
         self._node_fault = threading.Lock()
@@ -292,15 +317,119 @@ class Soak:
                     del self._leaders[role]
         return dict(self._leaders)
 
-    def _pick_candidate(self, prefer_leader: bool = True) -> _Candidate | None:
+    def _pick_candidate(self, *, beats: bool = True) -> _Candidate | None:
         leaders = set(self._refresh_leaders().values())
-        free = [c for c in self.candidates if not c.busy and c.alive]
+        free = [c for c in self.candidates if not c.busy and c.alive and (beats or not c.beat)]
         if not free:
             return None
         preferred = [c for c in free if c.name in leaders]
-        if prefer_leader and preferred and self.rng.random() < 0.7:
+        if preferred and self.rng.random() < 0.7:
             return self.rng.choice(preferred)
         return self.rng.choice(free)
+
+    # -------------------------------------------------------------------- beat
+
+    def beat_env(self) -> dict[str, str]:
+        """Environment of the beat replicas and their worker (``cnl_beat_app``)."""
+        assert self.options.beat_app_dir is not None
+        config = {
+            "broker_url": self.options.broker_url,
+            "queue": self.beat_queue,
+            "nats_url": ",".join(self.cluster.urls),
+            "bucket": self.bucket,
+            "beat_role": self.beat_role,
+            "ttl": self.options.ttl,
+            "ledger": str(self.ledger_path),
+            # A crontab whose schedule clock runs 60x: one tick a second.
+            "entries": [{"kind": "fastcron", "name": "every-second"}],
+            "t0": self.t0,
+            "speed": 60,
+            "max_interval": 0.2,
+            "scheduler": "nats_leader",
+            "extra": {},
+        }
+        env = dict(os.environ)
+        env["CNL_BEAT_CONFIG"] = json.dumps(config)
+        app_dir = self.options.beat_app_dir
+        env["PYTHONPATH"] = os.pathsep.join([str(app_dir), str(app_dir.parent.parent)])
+        env.pop("DJANGO_SETTINGS_MODULE", None)
+        return env
+
+    def beat_command(self, name: str) -> list[str]:
+        """The command of beat replica ``name``."""
+        celery = str(Path(sys.executable).with_name("celery"))
+        schedule = self.workdir / f"schedule-{name}"
+        return [celery, "-A", "cnl_beat_app", "beat", "-S", "nats_leader", "-s", str(schedule)]
+
+    def _start_beat_part(self) -> None:
+        assert self.options.beat_app_dir is not None
+        sys.path.insert(0, str(self.options.beat_app_dir))
+        try:
+            from cnl_beat_ledger import BeatLedger  # type: ignore[import-not-found]
+        finally:
+            sys.path.remove(str(self.options.beat_app_dir))
+        BeatLedger(str(self.ledger_path)).create()
+
+        async def state_bucket(nc: Any) -> None:
+            await nc.jetstream(timeout=10).create_key_value(
+                KeyValueConfig(
+                    bucket=f"{self.bucket}_beat", history=1, replicas=3, storage=StorageType.FILE
+                )
+            )
+
+        self._retry("create the beat state bucket", lambda: self._nats(state_bucket))
+        celery = str(Path(sys.executable).with_name("celery"))
+        log = open(self.logs_dir / "worker.log", "ab")  # noqa: SIM115 - owned by Popen
+        try:
+            self.worker = subprocess.Popen(
+                [
+                    *(celery, "-A", "cnl_beat_app", "worker", "-P", "threads", "-c", "4"),
+                    *("-Q", self.beat_queue, "-n", f"{self.beat_queue}@%h"),
+                ],
+                env=self.beat_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        finally:
+            log.close()
+        for i in range(self.options.beats):
+            beat = _Candidate(self, f"beat{i + 1}", beat=True)
+            self.candidates.append(beat)
+            beat.ensure_running()
+        # Faults start once beat runs: its first tick executed.
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            with contextlib.closing(sqlite3.connect(str(self.ledger_path), timeout=30)) as db:
+                if db.execute("SELECT COUNT(*) FROM runs").fetchone()[0]:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"beat ran no tick within 90 s; see {self.logs_dir}")
+
+    def _stop_beat_part(self) -> None:
+        """Stop the beats, let the worker finish their ticks, record its runs as events."""
+        if self.worker is None:
+            return
+        time.sleep(2.0)  # the last dispatched ticks reach the worker
+        self.worker.terminate()  # warm shutdown: running tasks finish
+        try:
+            self.worker.wait(60)
+        except subprocess.TimeoutExpired:
+            self.worker.kill()
+            self.worker.wait()
+        from celery_nats_leader.beat.ticks import parse_slot
+
+        log = EventLog(self.events_dir / "ledger.jsonl", "ledger")
+        try:
+            with contextlib.closing(sqlite3.connect(str(self.ledger_path))) as db:
+                rows = db.execute(
+                    "SELECT entry, tick, task_id, pid, mono FROM runs WHERE tick IS NOT NULL"
+                ).fetchall()
+            for entry, tick, task_id, pid, mono in rows:
+                minute = int(parse_slot(tick).timestamp() // 60)
+                log.emit("run", t=mono, tick=f"{entry}@{minute}", task=task_id, worker=pid)
+        finally:
+            log.close()
 
     # --------------------------------------------------------- process faults
 
@@ -449,6 +578,8 @@ class Soak:
             # The candidates stop on the missing bucket (a permanent error).
             deadline = time.monotonic() + 4 * self.options.ttl + 5
             for cand in self.candidates:
+                if cand.beat:
+                    continue  # beat keeps trying; its election stops on its own
                 while cand.alive and time.monotonic() < deadline:
                     time.sleep(0.05)
                 with cand.lock:
@@ -491,7 +622,8 @@ class Soak:
             }[kind]
             release: Callable[[], None] = self._node_fault.release
         else:
-            cand = self._pick_candidate()
+            # Beats reach NATS directly: only signals apply to them.
+            cand = self._pick_candidate(beats=kind in ("sigkill", "sigstop", "sigterm"))
             if cand is None:
                 return False
             cand.busy = True
@@ -567,6 +699,8 @@ class Soak:
                 self.candidates.append(cand)
                 cand.ensure_running()
             self._wait_for_leaders(30)
+            if opts.beats:
+                self._start_beat_part()
             self._schedule(progress)
             for thread in self._threads:
                 thread.join(60)
@@ -577,6 +711,15 @@ class Soak:
             self.log.emit("quiet", seconds=quiet)
             time.sleep(quiet)
             self.log.emit("done")
+            for cand in self.candidates:  # the beats first: their ticks must run
+                if cand.beat and cand.alive:
+                    assert cand.process is not None
+                    cand.process.terminate()
+            for cand in self.candidates:
+                if cand.beat and cand.process is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        cand.process.wait(30)
+            self._stop_beat_part()
             for cand in self.candidates:
                 if cand.alive:
                     assert cand.process is not None
@@ -594,9 +737,21 @@ class Soak:
             self._stop.set()
             for cand in self.candidates:
                 cand.close()
+            if self.worker is not None and self.worker.poll() is None:
+                self.worker.kill()
+                self.worker.wait()
             self.cluster.close()
             self.log.close()
-        report = check(load_events(self.events_dir), ttl=opts.ttl)
+        events = load_events(self.events_dir)
+        # The documented loss window: a beat killed between committing a tick
+        # and publishing it loses that tick; at most one per beat crash.
+        beat_names = {c.name for c in self.candidates if c.beat}
+        window = sum(
+            1
+            for e in events
+            if e.kind == "fault" and e.get("fault") == "sigkill" and e.get("target") in beat_names
+        )
+        report = check(events, ttl=opts.ttl, loss_window_ticks=window)
         for error in self._errors:
             logger.warning("soak: %s", error)
         return report
