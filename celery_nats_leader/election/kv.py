@@ -467,7 +467,9 @@ class Election(BaseElection):
         except ElectionError as exc:
             logger.debug("%s: resync read failed: %s", self.role, exc)
             return
-        self._backoff.success()
+        # A successful read says nothing about writes: with JetStream out of
+        # storage reads succeed while every create fails. Only a write's
+        # answer resets the backoff, or the breaker would never open.
         if entry is None and self._view.present:
             # Gone without an event: expired. Campaign now (after jitter).
             self._observe(None, authoritative=True)
@@ -523,6 +525,23 @@ class Election(BaseElection):
             logger.debug("%s: campaign failed: %s", self.role, exc)
             self._set_state(ElectionState.FOLLOWER)
             self._retry_later()
+            return
+        if self._view.revision > revision:
+            # The key changed after our create, before its acknowledgement
+            # reached us: our record is already overwritten. A clustered
+            # nats-server before 2.9.21 can accept two concurrent creates
+            # (nats-server#4320); the later one holds the key, so we lost.
+            logger.warning(
+                "%s: created the key at revision %d, but revision %d is already newer; "
+                "following (a clustered nats-server < 2.9.21 accepts concurrent creates)",
+                self.role,
+                revision,
+                self._view.revision,
+            )
+            self._observer.campaign(self.role, self.instance_id, False)
+            self._set_state(ElectionState.FOLLOWER)
+            if self._decided is not None:
+                self._decided.set()
             return
         self._observer.campaign(self.role, self.instance_id, True)
         self._win(FencingToken(revision, token_value), revision, send)
