@@ -33,6 +33,7 @@ from celery_nats_leader.errors import (
     NotLeaderError,
     PermissionDeniedError,
 )
+from celery_nats_leader.interface import LeaderElection, new_election
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.status import RoleStatus, read_status
 from celery_nats_leader.token import FencingToken
@@ -77,6 +78,7 @@ __all__ = [
     "Elector",
     "FencingToken",
     "JetStreamUnavailableError",
+    "LeaderElection",
     "LeaderRecord",
     "LeadershipLostError",
     "NatsUnavailableError",
@@ -86,5 +88,6 @@ __all__ = [
     "RoleHandle",
     "RoleStatus",
     "__version__",
+    "new_election",
     "read_status",
 ]

@@ -53,6 +53,7 @@ from celery_nats_leader.errors import (
     BackendTimeoutError,
     BucketConfigError,
     BucketNotFoundError,
+    ConfigError,
     ElectionError,
     JetStreamUnavailableError,
     KeyExistsError,
@@ -110,6 +111,14 @@ class Election(BaseElection):
         observer: ElectionObserver | None = None,
         rng: random.Random | None = None,
     ) -> None:
+        if config.strategy != "kv":
+            # Running the KV algorithm on a config that asks for another
+            # strategy would be a silent surprise: refuse and say how.
+            raise ConfigError(
+                f"Election is the KV strategy, but the config has strategy={config.strategy!r}; "
+                "build the election with celery_nats_leader.new_election(config), which "
+                "returns the class of config.strategy"
+            )
         super().__init__(
             config,
             connection,
