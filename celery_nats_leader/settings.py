@@ -294,7 +294,9 @@ def _setting_names(message: str, names: Mapping[str, str], prefix: str) -> str:
         written = names.get(name) or (
             (prefix + CELERY_PREFIX + name).upper() if prefix else CELERY_PREFIX + name
         )
+        # "ttl=5 ..." anywhere, and "role_options names ..." opening a sentence.
         message = re.sub(rf"(?<![\w.]){re.escape(name)}=", f"{written}=", message)
+        message = re.sub(rf"(^|: ){re.escape(name)} ", rf"\g<1>{written} ", message)
     return message
 
 
