@@ -34,6 +34,7 @@ from celery_nats_leader.errors import (
     PermissionDeniedError,
 )
 from celery_nats_leader.interface import LeaderElection, new_election
+from celery_nats_leader.leader_services import LeaderContext, LeaderServiceRunner, LeadingScope
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.status import RoleStatus, read_status
 from celery_nats_leader.token import FencingToken
@@ -78,9 +79,12 @@ __all__ = [
     "Elector",
     "FencingToken",
     "JetStreamUnavailableError",
+    "LeaderContext",
     "LeaderElection",
     "LeaderRecord",
+    "LeaderServiceRunner",
     "LeadershipLostError",
+    "LeadingScope",
     "NatsUnavailableError",
     "NotConnectedError",
     "NotLeaderError",

@@ -28,7 +28,7 @@ import json
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from nats.aio.client import Client
 
@@ -43,6 +43,13 @@ from celery_nats_leader.health import watch_health
 from celery_nats_leader.observer import ElectionObserver, NullObserver
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
+
+if TYPE_CHECKING:
+    from celery_nats_leader.leader_services import (
+        LeaderServiceRunner,
+        LeadingScope,
+        ServiceFunction,
+    )
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +196,10 @@ class BaseElection(abc.ABC):
         self._change_callbacks: list[LeaderChangeCallback] = []
         self._error_callbacks: list[ErrorCallback] = []
         self._callbacks = CallbackRunner(f"{config.role}")
+        # Called synchronously on the loop at every state change (leader
+        # services must be told to stop at that instant, not after the
+        # callbacks queued before them).
+        self._transition_hooks: list[Callable[[ElectionState, ElectionState], None]] = []
         # Loop-bound: created in start(), never here.
         self._wake: asyncio.Event | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -297,6 +308,67 @@ class BaseElection(abc.ABC):
         """Register ``callback(error)``, called when an error stops the election."""
         self._error_callbacks.append(callback)
         return callback
+
+    def run_while_leading(
+        self,
+        service: ServiceFunction,
+        *,
+        name: str | None = None,
+        grace: float | None = None,
+    ) -> LeaderServiceRunner:
+        """Run ``service(ctx)`` for as long as this process leads, every term.
+
+        Started on each promotion and stopped when the term ends: a
+        coroutine function as a task on this loop (cancelled), a plain
+        function on a thread of its own (``ctx.stopped`` turns true, it must
+        return). See :mod:`celery_nats_leader.leader_services`. Register
+        before :meth:`start`, or on the election's loop.
+
+        Args:
+            service: The service; it receives a
+                :class:`~celery_nats_leader.leader_services.LeaderContext`.
+            name: For logs; default the function's name.
+            grace: Seconds a stopping service is awaited before the term is
+                released; default ``lease_margin``.
+
+        Returns:
+            The service's handle (``runs``, ``running``, ``close()``).
+
+        """
+        from celery_nats_leader.leader_services import LeaderServiceRunner
+
+        runner = LeaderServiceRunner(self, service, name=name, grace=grace)
+        self._transition_hooks.append(runner.transition)
+        # Async: runs on the loop, awaited by a release before the key goes.
+        self._demote_callbacks.append(runner.demoted)
+        if self._state is ElectionState.LEADER and self.is_leader:
+            runner.transition(ElectionState.FOLLOWER, ElectionState.LEADER)
+        return runner
+
+    def leading(self, timeout: float | None = None) -> LeadingScope:
+        """``async with election.leading() as ctx:`` runs the block while leading.
+
+        Waits for leadership, then runs the block; if the term ends inside,
+        the block is cancelled and raises
+        :class:`~celery_nats_leader.errors.LeadershipLostError`.
+
+        Args:
+            timeout: Seconds to wait for leadership (``TimeoutError`` after).
+
+        Returns:
+            The scope; ``ctx.token`` is the term's fencing token.
+
+        """
+        from celery_nats_leader.leader_services import LeadingScope
+
+        return LeadingScope(self, timeout)
+
+    def _add_transition_hook(self, hook: Callable[[ElectionState, ElectionState], None]) -> None:
+        self._transition_hooks.append(hook)
+
+    def _remove_transition_hook(self, hook: Callable[[ElectionState, ElectionState], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._transition_hooks.remove(hook)
 
     @abc.abstractmethod
     async def start(self, *, wait: float | None = None) -> None:
@@ -517,6 +589,11 @@ class BaseElection(abc.ABC):
             self.instance_id,
         )
         self._observer.state_changed(self.role, self.instance_id, old.value, new.value)
+        for hook in list(self._transition_hooks):
+            try:
+                hook(old, new)
+            except Exception:
+                self._logger.exception("%s: transition hook %r raised", self.role, hook)
         if self._decided is not None and self._decides(old, new):
             self._decided.set()
         if self._leading is not None:

@@ -37,6 +37,7 @@ from celery_nats_leader.election import (
 )
 from celery_nats_leader.errors import ConfigError, ElectionError, NatsUnavailableError
 from celery_nats_leader.interface import LeaderElection, new_election
+from celery_nats_leader.leader_services import LeaderServiceRunner, ServiceFunction
 from celery_nats_leader.loop_thread import EventLoopThread
 from celery_nats_leader.observer import ElectionObserver
 from celery_nats_leader.record import LeaderRecord
@@ -143,6 +144,36 @@ class RoleHandle:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         future = self._elector.loop.submit(self.election.wait_for_leadership(remaining))
         return future.result()
+
+    def run_while_leading(
+        self, service: ServiceFunction, *, name: str | None = None, grace: float | None = None
+    ) -> LeaderServiceRunner:
+        """Run ``service(ctx)`` for as long as this process leads the role, every term.
+
+        A plain function runs on a thread of its own and must return soon
+        after ``ctx.stopped`` turns true (``ctx.wait(seconds)`` sleeps and
+        wakes at the end of the term); a coroutine function runs on the
+        elector's loop and is cancelled (it must never block). See
+        :mod:`celery_nats_leader.leader_services`.
+
+        Args:
+            service: ``service(ctx)``; ``ctx.token`` is the term's fencing token.
+            name: For logs; default the function's name.
+            grace: Seconds a release waits for the service to stop;
+                default the role's ``lease_margin``.
+
+        Returns:
+            The service's handle.
+
+        """
+        election = self.election
+        if self._elector.running:
+
+            async def register() -> LeaderServiceRunner:
+                return election.run_while_leading(service, name=name, grace=grace)
+
+            return self._elector.loop.run(register(), 10.0)
+        return election.run_while_leading(service, name=name, grace=grace)
 
     def on_promote(self, callback: PromoteCallback) -> PromoteCallback:
         """Register ``callback(token)``; runs on a worker thread of the elector."""
