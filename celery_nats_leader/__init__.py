@@ -46,6 +46,7 @@ _LAZY = {
     "install": "celery_nats_leader.bootstep",
     "NatsLeaderBootstep": "celery_nats_leader.bootstep",
     "leader_only": "celery_nats_leader.tasks",
+    "leader_service": "celery_nats_leader.worker_services",
     "LeaderTask": "celery_nats_leader.tasks",
     "leader_promoted": "celery_nats_leader.signals",
     "leader_demoted": "celery_nats_leader.signals",

@@ -328,6 +328,7 @@ class AllcallElection(BaseElection):
         await self._cancel_main()
         self._token = None
         self._lease_deadline = 0.0
+        self._ending_reason = DemoteReason.STOPPED
         self._set_state(ElectionState.STOPPED)
         if was_leader:
             await self._callbacks.submit(self._demote_callbacks, DemoteReason.STOPPED)
@@ -566,6 +567,8 @@ class AllcallElection(BaseElection):
             better.id,
             better.epoch,
         )
+        if was_leader:
+            self._ending_reason = DemoteReason.REVISION_CHANGED
         self._end_term()
         self._adopt(better)
         if was_leader:
@@ -588,6 +591,7 @@ class AllcallElection(BaseElection):
         """Stop leading at once (state first, callbacks after)."""
         if self._state is not ElectionState.LEADER:
             return
+        self._ending_reason = reason
         self._end_term()
         logger.info("%s: demoted (%s)", self.role, reason.value)
         self._callbacks.submit(self._demote_callbacks, reason)
@@ -912,6 +916,7 @@ class AllcallElection(BaseElection):
         if self._state is not ElectionState.LEADER or claim is None:
             return
         self._release_reason = None
+        self._ending_reason = reason
         self._end_term()
         # Sit out one TTL so that someone else takes the role.
         self._sit_out_until = self._clock.monotonic() + self.config.ttl

@@ -254,6 +254,7 @@ class Election(BaseElection):
             self._token = None
             self._lease_deadline = 0.0
             self._cancel_deadline_timer()
+            self._ending_reason = DemoteReason.STOPPED
             self._set_state(ElectionState.STOPPED)
             await self._callbacks.submit(self._demote_callbacks, DemoteReason.STOPPED)
             if self.config.release_on_stop:
@@ -728,6 +729,7 @@ class Election(BaseElection):
         self._token = None
         self._lease_deadline = 0.0
         self._cancel_deadline_timer()
+        self._ending_reason = reason
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: demoted (%s)", self.role, reason.value)
         self._stop_health_watch()
@@ -880,6 +882,7 @@ class Election(BaseElection):
         self._cancel_deadline_timer()
         # Sit out one TTL so that someone else takes the role.
         self._sit_out_until = self._clock.monotonic() + self.config.ttl
+        self._ending_reason = reason
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: stepping down (%s)", self.role, reason.value)
         self._stop_health_watch()

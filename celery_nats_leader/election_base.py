@@ -200,6 +200,9 @@ class BaseElection(abc.ABC):
         # services must be told to stop at that instant, not after the
         # callbacks queued before them).
         self._transition_hooks: list[Callable[[ElectionState, ElectionState], None]] = []
+        # Why the term is ending, set just before the state leaves LEADER so
+        # that the hooks can tell the services (consumed by _set_state).
+        self._ending_reason: DemoteReason | None = None
         # Loop-bound: created in start(), never here.
         self._wake: asyncio.Event | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -594,6 +597,7 @@ class BaseElection(abc.ABC):
                 hook(old, new)
             except Exception:
                 self._logger.exception("%s: transition hook %r raised", self.role, hook)
+        self._ending_reason = None
         if self._decided is not None and self._decides(old, new):
             self._decided.set()
         if self._leading is not None:

@@ -87,8 +87,7 @@ class LeaderContext:
         self._election = election
         self.token = token
         """The fencing token of the term (pass it to fenced resources)."""
-        self.reason: DemoteReason | None = None
-        """Why the term ended, once it has (``None`` while leading)."""
+        self._reason: DemoteReason | None = None
         self._stop = threading.Event()
         self._stop_callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
@@ -97,6 +96,17 @@ class LeaderContext:
     def role(self) -> str:
         """The role led."""
         return self._election.role
+
+    @property
+    def reason(self) -> DemoteReason | None:
+        """Why the term ended, once it has (``None`` while leading)."""
+        if self._reason is None and self.stopped and self._election.token is None:
+            from celery_nats_leader.election_base import DemoteReason, ElectionState
+
+            if self._election._state is ElectionState.LEADER:
+                # The lease ran out on the clock before the loop demoted.
+                return DemoteReason.LEASE_EXPIRED
+        return self._reason
 
     @property
     def stopped(self) -> bool:
@@ -147,7 +157,7 @@ class LeaderContext:
         with self._lock:
             if self._stop.is_set():
                 return
-            self.reason = reason
+            self._reason = reason
             self._stop.set()
             callbacks, self._stop_callbacks = self._stop_callbacks, []
         for callback in callbacks:
@@ -211,7 +221,7 @@ class LeaderServiceRunner:
         if new is ElectionState.LEADER:
             self._start()
         elif old is ElectionState.LEADER:
-            self._signal_stop(None)
+            self._signal_stop(self.election._ending_reason)
 
     async def demoted(self, reason: DemoteReason) -> None:
         """Demote callback: wait (bounded) for the stopping run to end.
@@ -220,8 +230,8 @@ class LeaderServiceRunner:
         so on a graceful hand-over the successor starts after this returns.
         """
         context = self._context
-        if context is not None and context.reason is None:
-            context.reason = reason
+        if context is not None and context._reason is None:
+            context._reason = reason
         self._signal_stop(reason)
         await self.join(self.grace)
 
@@ -404,7 +414,7 @@ class LeadingScope:
 
     def _end(self) -> None:
         if self._context is not None:
-            self._context._set_stopped(None)
+            self._context._set_stopped(self._election._ending_reason)
         task = self._task
         if task is not None and not task.done() and not self._cancelled:
             self._cancelled = True

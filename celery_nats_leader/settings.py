@@ -128,6 +128,10 @@ class LeaderSettings:
     role_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Per-role overrides of any ElectionConfig field, e.g. ``{"beat": {"ttl": 5}}``."""
 
+    services: Mapping[str, Any] = field(default_factory=dict)
+    """Leader services of a worker: role -> list of ``"module:function"`` run on the
+    role's leader while it leads (see :func:`celery_nats_leader.leader_service`)."""
+
     def __post_init__(self) -> None:
         servers: Any = self.servers
         object.__setattr__(self, "servers", ConnectOptions.build(servers).servers)

@@ -29,11 +29,13 @@ from celery_nats_leader import worker_state
 from celery_nats_leader.election import DemoteReason
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import ConfigError, ElectionError
+from celery_nats_leader.leader_services import LeaderServiceRunner
 from celery_nats_leader.observer import ElectionObserver
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.signals import leader_demoted, leader_promoted
 from celery_nats_leader.tasks import leader_tasks, upgrade_tasks
 from celery_nats_leader.token import FencingToken
+from celery_nats_leader.worker_services import on_own_thread, registered_services
 from celery_nats_leader.worker_state import SharedLeadership, WorkerLeadership
 
 if TYPE_CHECKING:
@@ -90,6 +92,7 @@ class LeaderService:
             handle.on_error(functools.partial(self._on_error, role))
             self._handles[role] = handle
         self.queues = LeaderQueueController(app, self.queue_names, self.is_leader)
+        self.services = self._add_services(app, settings)
         self._refresher: Any = None
         self._started = False
         self._stopped = False
@@ -104,6 +107,28 @@ class LeaderService:
                 request_timeouts={r: h.config.request_timeout for r, h in self._handles.items()},
             )
         )
+
+    def _add_services(self, app: Any, settings: LeaderSettings) -> list[LeaderServiceRunner]:
+        """Register the app's leader services with their roles' elections."""
+        default = self.roles[0] if self.roles else None
+        runners = []
+        for spec in registered_services(app, settings.services, default):
+            handle = self._handles.get(spec.role) if spec.role else None
+            if handle is None:
+                logger.warning(
+                    "nats-leader: leader service %s runs on the leader of %r, but this worker "
+                    "does not campaign for it (nats_leader_roles=%s); it will not run here",
+                    spec.name,
+                    spec.role,
+                    list(self.roles),
+                )
+                continue
+            runners.append(
+                handle.run_while_leading(
+                    on_own_thread(spec.function), name=spec.name, grace=spec.grace
+                )
+            )
+        return runners
 
     def prepare_worker(self) -> None:
         """Adjust the app for this worker; call before the consumer starts.

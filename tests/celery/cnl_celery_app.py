@@ -19,12 +19,14 @@ from celery.signals import task_postrun, task_prerun, task_received
 from cnl_celery_ledger import Ledger
 
 from celery_nats_leader import (
+    LeaderContext,
     LeadershipLostError,
     LeaderTask,
     install,
     leader_demoted,
     leader_only,
     leader_promoted,
+    leader_service,
 )
 from celery_nats_leader.testing import kombu_fs
 
@@ -136,6 +138,25 @@ def make_app(config: dict[str, Any]) -> Celery:
             "plain", name="cnl.plain", task_id=self.request.id, main_pid=MAIN_PID, info=str(seq)
         )
         return seq
+
+    if config.get("service_dir"):
+        service_dir = Path(config["service_dir"])
+
+        @leader_service(app, role=role)
+        def recorder(ctx: LeaderContext) -> None:
+            # One file per worker; a sample's clock is read *before* the
+            # check, so every "alive" instant was inside the term.
+            with (service_dir / f"{MAIN_PID}.txt").open("a") as out:
+                while True:
+                    now = time.monotonic()
+                    if ctx.stopped:
+                        break
+                    out.write(f"alive {ctx.token.epoch} {now!r}\n")
+                    out.flush()
+                    if ctx.wait(0.02):
+                        break
+                reason = ctx.reason.value if ctx.reason is not None else "stopped"
+                out.write(f"stop {ctx.token.epoch} {time.monotonic()!r} {reason}\n")
 
     app.cnl_ledger = ledger
     return app
