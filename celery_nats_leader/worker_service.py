@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery_nats_leader import worker_state
+from celery_nats_leader.broker_wake import wake_consumer
 from celery_nats_leader.election import DemoteReason
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import ConfigError, ElectionError
@@ -442,6 +443,7 @@ class LeaderQueueController:
         if task_consumer is None:
             return
         consuming: set[str] = set()
+        added = False
         for role, name in self._queue_names.items():
             want = self._is_leader(role) and not self._closed
             try:
@@ -453,6 +455,7 @@ class LeaderQueueController:
                     # whether it leads or not.
                     task_consumer.add_queue(self._app.amqp.queues[name])
                     task_consumer.consume()
+                    added = True
                     logger.info("nats-leader: started consuming %s (leader of %r)", name, role)
                 elif have and not want:
                     task_consumer.cancel_by_queue(name)
@@ -467,3 +470,7 @@ class LeaderQueueController:
             except Exception:  # pragma: no cover - the consumer is gone
                 continue
         self._consuming = frozenset(consuming)
+        if added:
+            # Redis: a BRPOP already waiting on the old queues would read the
+            # leader queue only after its timeout (~1 s); end it now.
+            wake_consumer(task_consumer)
