@@ -188,8 +188,11 @@ async def connect(
             timeout,
         )
     except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+        # A timeout's message is empty: never leave "within 10s: " dangling.
+        reason = str(exc) or ("no answer" if isinstance(exc, asyncio.TimeoutError) else repr(exc))
         raise NatsUnavailableError(
-            f"could not connect to NATS at {', '.join(options.servers)} within {timeout:g}s: {exc}"
+            f"could not connect to NATS at {', '.join(options.servers)} within {timeout:g}s: "
+            f"{reason}"
         ) from exc
     client.append(nc)
     return nc

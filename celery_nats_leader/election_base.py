@@ -488,7 +488,9 @@ class BaseElection(abc.ABC):
             raise ElectionStoppedError(f"election for {self.role!r} was already started")
         self._wake = asyncio.Event()
         self._decided = asyncio.Event()
-        self._leading = asyncio.Event()
+        # Kept across a failed start retried later: waiters of
+        # wait_for_leadership() from the first attempt must see this one.
+        self._leading = self._leading or asyncio.Event()
         return await self._open_backend()
 
     async def _launch(self, wait: float) -> None:

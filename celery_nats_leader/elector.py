@@ -46,6 +46,17 @@ from celery_nats_leader.token import FencingToken
 
 logger = logging.getLogger(__name__)
 
+#: Seconds between attempts to start after a permanent error (missing bucket...).
+_PERMANENT_RETRY = 30.0
+#: Seconds between two warnings that the election is still not running.
+_REPEAT_INTERVAL = 30.0
+
+
+def _duration(seconds: float) -> str:
+    """``0.05`` -> ``"50ms"``, ``30.0`` -> ``"30s"``: never "0.0s"."""
+    return f"{seconds * 1000:.0f}ms" if seconds < 1 else f"{seconds:.3g}s"
+
+
 #: Builds a backend on the elector's loop (tests pass the in-memory one).
 BackendFactory = Callable[[], "Backend"]
 
@@ -233,6 +244,9 @@ class Elector(ConnectionListener):
         self._connected = threading.Event()
         self._connector: asyncio.Task[None] | None = None
         self._started = False
+        self.start_error: ElectionError | None = None
+        """Why the last attempt to connect and start the roles failed (``None``
+        once they started); the elector keeps trying in the background."""
 
     # ------------------------------------------------------------- roles
 
@@ -322,22 +336,45 @@ class Elector(ConnectionListener):
         return asyncio.get_running_loop().create_task(self._connect_forever(timeout))
 
     async def _connect_forever(self, timeout: float) -> None:
+        """Connect and start the roles, retrying until it works; say why, periodically.
+
+        Transient failures (NATS unreachable) retry with backoff; permanent
+        ones (a missing bucket, a permission) every ``_PERMANENT_RETRY``
+        seconds, in case an operator fixes them. Either way the reason is
+        logged at once, then again at most every ``_REPEAT_INTERVAL``
+        seconds, and kept in :attr:`start_error` for health checks.
+        """
         backoff = Backoff(maximum=10.0, breaker_threshold=1_000_000)
+        attempts = 0
+        next_warning = 0.0
         while True:
             try:
                 await self._connect_and_start_roles(timeout)
-                return
-            except NatsUnavailableError as exc:
-                delay = backoff.failure()
-                logger.warning(
-                    "NATS unreachable (%s); leader election is not running yet, retrying in %.1fs",
+            except ElectionError as exc:
+                attempts += 1
+                self.start_error = exc
+                permanent = not isinstance(exc, NatsUnavailableError)
+                delay = _PERMANENT_RETRY if permanent else backoff.failure()
+                now = time.monotonic()
+                level = logging.DEBUG
+                if now >= next_warning:
+                    next_warning = now + _REPEAT_INTERVAL
+                    level = logging.ERROR if permanent else logging.WARNING
+                logger.log(
+                    level,
+                    "leader election is not running (%d failed attempt%s): %s: %s; retrying in %s",
+                    attempts,
+                    "" if attempts == 1 else "s",
+                    type(exc).__name__,
                     exc,
-                    delay,
+                    _duration(delay),
                 )
                 await asyncio.sleep(delay)
-            except ElectionError:
-                logger.exception("leader election could not start")
-                return
+                continue
+            if attempts:
+                logger.warning("leader election started after %d failed attempt(s)", attempts)
+            self.start_error = None
+            return
 
     async def _connect_and_start_roles(self, timeout: float) -> None:
         if self._backend is None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_nats_leader import worker_state
 from celery_nats_leader.broker_wake import wake_consumer
-from celery_nats_leader.election import DemoteReason
+from celery_nats_leader.election import DemoteReason, ElectionState
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.leader_services import LeaderServiceRunner
@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from celery_nats_leader.prometheus import PrometheusObserver
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between two reports that an election is still stopped by an error.
+ERROR_REPEAT_SECONDS = 30.0
 
 
 class LeaderService:
@@ -187,6 +190,32 @@ class LeaderService:
         handle = self._handles.get(role)
         return handle.token if handle is not None else None
 
+    @property
+    def election_errors(self) -> dict[str, str]:
+        """Why each role's election is not running, for health checks (empty when all run).
+
+        A role is listed while its election could not start (NATS
+        unreachable, the bucket missing or wrong, permission denied) or after
+        a permanent error stopped it. Without ``nats_leader_required`` the
+        worker keeps serving ordinary tasks meanwhile; readiness probes and
+        the ``nats_leader_election_error`` metric read this.
+        """
+        start_error = self.elector.start_error
+        errors = {}
+        for role, handle in self._handles.items():
+            error = handle.error or (start_error if handle.state is ElectionState.INIT else None)
+            if error is not None:
+                errors[role] = f"{type(error).__name__}: {error}"
+        return errors
+
+    @property
+    def election_error(self) -> str | None:
+        """One line saying why the election is not running, or ``None`` if it runs."""
+        errors = self.election_errors
+        if not errors:
+            return None
+        return "; ".join(f"{role}: {message}" for role, message in errors.items())
+
     def validate(self, role: str, token: FencingToken, timeout: float | None) -> bool:
         """Confirm ``token`` against KV (one read); ``False`` on any doubt."""
         handle = self._handles.get(role)
@@ -289,9 +318,19 @@ class LeaderService:
         """
         interval = max(0.05, min(h.config.heartbeat_interval for h in self._handles.values()) / 2)
         seen = {role: self.shared.validation_counts(role) for role in self.roles}
+        next_error_report = time.monotonic() + ERROR_REPEAT_SECONDS
         while True:
             await asyncio.sleep(interval)
             try:
+                errors = self.election_errors
+                if self.metrics is not None:
+                    for role in self.roles:
+                        self.metrics.set_election_error(role, self.instance_id, role in errors)
+                if errors and time.monotonic() >= next_error_report:
+                    # Said again and again: a worker running without its
+                    # election must not look healthy in the logs.
+                    next_error_report = time.monotonic() + ERROR_REPEAT_SECONDS
+                    self._report_stopped(errors)
                 for role, handle in self._handles.items():
                     self.publish(role)
                     counts = self.shared.validation_counts(role)
@@ -344,6 +383,18 @@ class LeaderService:
             error,
             role,
         )
+
+    def _report_stopped(self, errors: Mapping[str, str]) -> None:
+        stopped = [role for role in errors if self._handles[role].error is not None]
+        # Errors of a start still being retried are repeated by the elector itself.
+        for role in stopped:
+            logger.error(
+                "nats-leader: the election for %r is still stopped: %s. Leader-only tasks and "
+                "services of %r do not run on this worker until it restarts.",
+                role,
+                errors[role],
+                role,
+            )
 
 
 class _ServiceObserver:

@@ -72,7 +72,8 @@ def make_app(config: dict[str, Any]) -> Celery:
         nats_leader_start_timeout=config.get("start_timeout", 10.0),
         **{f"nats_leader_{k}": v for k, v in config.get("extra", {}).items()},
     )
-    install(app)
+    if not config.get("without_leader"):
+        install(app)  # (without: plain Celery, to compare our behaviour with Celery's own)
     ledger = Ledger(config["ledger"])
     role = config["roles"][0]
 
@@ -204,6 +205,11 @@ def _connect_recorders(ledger: Ledger) -> None:
 
 
 if "CNL_CONFIG" in os.environ:
+    import faulthandler
+    import signal
+
+    # Diagnostics: SIGUSR1 dumps every thread's stack into the worker's log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     _config = json.loads(os.environ["CNL_CONFIG"])
     app = make_app(_config)
     _connect_recorders(app.cnl_ledger)
