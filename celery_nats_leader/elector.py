@@ -23,11 +23,10 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client
 
-from celery_nats_leader.backend.base import Backend, Bucket
+from celery_nats_leader.backend import Backend, Bucket
 from celery_nats_leader.backoff import Backoff
 from celery_nats_leader.clock import Clock
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.connection import ConnectionListener, ConnectOptions, connect
 from celery_nats_leader.election import (
     DemoteCallback,
     ElectionState,
@@ -35,13 +34,14 @@ from celery_nats_leader.election import (
     LeaderChangeCallback,
     PromoteCallback,
 )
+from celery_nats_leader.election.interface import LeaderElection, new_election
+from celery_nats_leader.election.observer import ElectionObserver
+from celery_nats_leader.election.services import LeaderServiceRunner, ServiceFunction
 from celery_nats_leader.errors import ConfigError, ElectionError, NatsUnavailableError
-from celery_nats_leader.interface import LeaderElection, new_election
-from celery_nats_leader.leader_services import LeaderServiceRunner, ServiceFunction
 from celery_nats_leader.loop_thread import EventLoopThread
-from celery_nats_leader.observer import ElectionObserver
+from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, connect
+from celery_nats_leader.ops.status import RoleStatus, read_status
 from celery_nats_leader.record import LeaderRecord
-from celery_nats_leader.status import RoleStatus, read_status
 from celery_nats_leader.token import FencingToken
 
 logger = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class RoleHandle:
         after ``ctx.stopped`` turns true (``ctx.wait(seconds)`` sleeps and
         wakes at the end of the term); a coroutine function runs on the
         elector's loop and is cancelled (it must never block). See
-        :mod:`celery_nats_leader.leader_services`.
+        :mod:`celery_nats_leader.election.services`.
 
         Args:
             service: ``service(ctx)``; ``ctx.token`` is the term's fencing token.
@@ -213,7 +213,7 @@ class Elector(ConnectionListener):
     Args:
         servers: NATS URL(s): a string (comma-separated) or a sequence.
         connect_options: Extra :func:`nats.connect` options (TLS, credentials,
-            token, nkeys, ...); see :class:`~celery_nats_leader.connection.ConnectOptions`.
+            token, nkeys, ...); see :class:`~celery_nats_leader.nats.connection.ConnectOptions`.
         name: Connection name (visible in the server's monitoring).
         observer: Receives every role's measurements (metrics).
         clock: Monotonic clock (tests).
@@ -244,9 +244,7 @@ class Elector(ConnectionListener):
         self._connected = threading.Event()
         self._connector: asyncio.Task[None] | None = None
         self._started = False
-        self.start_error: ElectionError | None = None
-        """Why the last attempt to connect and start the roles failed (``None``
-        once they started); the elector keeps trying in the background."""
+        self._start_error: ElectionError | None = None
 
     # ------------------------------------------------------------- roles
 
@@ -295,6 +293,20 @@ class Elector(ConnectionListener):
     def running(self) -> bool:
         """Whether the elector's loop is running."""
         return self._started and self.loop.is_running
+
+    @property
+    def start_error(self) -> ElectionError | None:
+        """Why the last attempt to connect and start the roles failed.
+
+        ``None`` once every role has started (or before the first attempt);
+        meanwhile the elector keeps trying in the background.
+        """
+        error = self._start_error
+        if error is None:
+            return None
+        if any(h.election.state is ElectionState.INIT for h in list(self._roles.values())):
+            return error
+        return None
 
     @property
     def connected(self) -> bool:
@@ -352,7 +364,7 @@ class Elector(ConnectionListener):
                 await self._connect_and_start_roles(timeout)
             except ElectionError as exc:
                 attempts += 1
-                self.start_error = exc
+                self._start_error = exc
                 permanent = not isinstance(exc, NatsUnavailableError)
                 delay = _PERMANENT_RETRY if permanent else backoff.failure()
                 now = time.monotonic()
@@ -373,7 +385,7 @@ class Elector(ConnectionListener):
                 continue
             if attempts:
                 logger.warning("leader election started after %d failed attempt(s)", attempts)
-            self.start_error = None
+            self._start_error = None
             return
 
     async def _connect_and_start_roles(self, timeout: float) -> None:
@@ -381,7 +393,7 @@ class Elector(ConnectionListener):
             if self._backend_factory is not None:
                 self._backend = self._backend_factory()
             else:
-                from celery_nats_leader.backend.jetstream import JetStreamBackend
+                from celery_nats_leader.nats.jetstream import JetStreamBackend
 
                 self._connection = await connect(
                     self.connect_options, listeners=[self], timeout=timeout, name=self._name
@@ -512,7 +524,7 @@ class Elector(ConnectionListener):
             timeout: Seconds to wait.
 
         Returns:
-            One :class:`~celery_nats_leader.status.RoleStatus` per role.
+            One :class:`~celery_nats_leader.ops.status.RoleStatus` per role.
 
         """
         if self._backend is None:

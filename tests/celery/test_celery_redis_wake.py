@@ -3,7 +3,7 @@
 kombu's Redis transport blocks in one ``BRPOP`` on the queues it consumed
 when the read began, for up to ``polling_interval`` seconds. Here that
 interval is 30 s: without the wake-up (``CLIENT UNBLOCK`` of the pending
-read, see ``celery_nats_leader.broker_wake``) a promoted worker would start
+read, see ``celery_nats_leader.worker.broker_wake``) a promoted worker would start
 reading its leader queue only up to 30 s later. The timing goal itself
 (milliseconds) is measured in benchmarks/celery_overhead.py.
 """

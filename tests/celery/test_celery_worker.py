@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from cnl_celery_harness import Cluster, run_cli, wait_for
 
-from celery_nats_leader.backend.jetstream import JetStreamBackend
-from celery_nats_leader.connection import ConnectOptions, connect
+from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.testing import NatsServer, free_port
 
 pytestmark = [pytest.mark.celery, pytest.mark.integration]
@@ -187,7 +187,14 @@ def test_unreachable_nats_serves_ordinary_tasks_and_keeps_trying(cluster_factory
             "the ordinary task to run without NATS",
         )
         cluster.send("cnl.record", 1)
-        wait_for(lambda: "NATS unreachable" in worker.log(), 30, "a loud warning")
+        wait_for(
+            lambda: (
+                "leader election is not running (1 failed attempt): NatsUnavailableError"
+                in worker.log()
+            ),
+            30,
+            "a loud warning",
+        )
         assert ledger.committed() == 0
 
         late.start()
