@@ -52,6 +52,19 @@ class NatsLeaderBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Cele
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
+        pool = getattr(worker, "pool_cls", None)
+        if getattr(pool, "is_green", False):
+            _refuse(
+                os.EX_CONFIG,
+                "cannot start the worker: %s",
+                ConfigError(
+                    f"the {_pool_name(pool)} pool is not supported: the leader election runs an "
+                    "asyncio event loop on an OS thread of its own, which green-thread "
+                    "monkey-patching turns into a greenlet that a blocking task would stall "
+                    "(renewals late, leadership lost). Use -P prefork (the default), threads "
+                    "or solo"
+                ),
+            )
         try:
             settings = LeaderSettings.from_celery(worker.app.conf)
         except ConfigError as exc:
@@ -88,6 +101,12 @@ class NatsLeaderBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Cele
     def shutdown(self, worker: Any) -> None:
         """Stop the service (idempotent)."""
         self.service.stop()
+
+
+def _pool_name(pool: Any) -> str:
+    """``celery.concurrency.gevent.TaskPool`` -> ``gevent``."""
+    module = str(getattr(pool, "__module__", ""))
+    return module.rsplit(".", 1)[-1] or repr(pool)
 
 
 def _refuse(exit_code: int, message: str, exc: Exception) -> NoReturn:

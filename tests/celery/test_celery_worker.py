@@ -237,3 +237,18 @@ async def _bucket_exists_quietly(cluster: Cluster) -> bool:
         return await _bucket_exists(cluster.nats.url, cluster.config["bucket"])
     except Exception:
         return False
+
+
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_green_pools_are_refused_at_start_with_a_clear_message(
+    cluster_factory: Any, pool: str
+) -> None:
+    cluster: Cluster = cluster_factory(ttl=2.0)
+    worker = cluster.start_worker("green", pool=pool, wait=False)
+    assert worker.wait(60) == os.EX_CONFIG
+    log = worker.log()
+    assert f"the {pool} pool is not supported" in log, log[-3000:]
+    assert "Use -P prefork (the default), threads or solo" in log
+    assert "Traceback" not in log, log[-3000:]
+    # Refused before campaigning: it never led.
+    assert cluster.ledger.promotions() == []
