@@ -283,7 +283,9 @@ class LeaderService:
         if self._started:
             logger.info("nats-leader: releasing leadership and leaving the election")
             # Demote callbacks run, then each held key is deleted.
-            self.elector.stop()
+            # Bounded: a demote receiver that never returns must not hold
+            # the worker's shutdown (past a TTL the key expires anyway).
+            self.elector.stop(timeout=min(10.0, max(2.0, self.settings.ttl)))
         self.shared.clear_all()
         if self.metrics is not None:
             self.metrics.close()

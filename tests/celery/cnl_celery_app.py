@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,13 @@ def make_app(config: dict[str, Any]) -> Celery:
                         break
                 reason = ctx.reason.value if ctx.reason is not None else "stopped"
                 out.write(f"stop {ctx.token.epoch} {time.monotonic()!r} {reason}\n")
+
+    if config.get("hang_on_demote"):
+
+        @leader_demoted.connect(weak=False)
+        def hang(sender: str, **kwargs: Any) -> None:
+            # A user's receiver that never returns (a stuck network call).
+            threading.Event().wait()
 
     app.cnl_ledger = ledger
     return app

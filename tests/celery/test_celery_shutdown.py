@@ -86,3 +86,17 @@ def test_worker_with_a_missing_bucket_exits_on_sigterm(cluster_factory: Any, poo
     ours, theirs = exit_times(worker, plain)
     print(f"\n{pool}: exited {ours:.2f} s after SIGTERM (plain Celery: {theirs:.2f} s)")
     assert ours <= theirs + SLACK
+
+
+def test_a_demote_receiver_that_never_returns_does_not_hold_the_shutdown(
+    cluster_factory: Any,
+) -> None:
+    cluster: Cluster = cluster_factory(ttl=2.0)
+    worker = cluster.start_worker("w1", pool="threads", config={"hang_on_demote": True})
+    cluster.wait_leader()
+    plain = cluster.start_worker("plain", pool="threads", config={"without_leader": True})
+    ours, theirs = exit_times(worker, plain)
+    print(f"\nstuck leader_demoted receiver: exited {ours:.2f} s (plain Celery: {theirs:.2f} s)")
+    # The release waits for the receiver at most min(10, max(2, ttl)) s.
+    assert ours <= theirs + 2.0 + SLACK
+    assert "leader election did not stop within 2.0s" in worker.log()
