@@ -181,3 +181,54 @@ def test_permanent_start_error_is_repeated_and_retried(
     finally:
         logger.removeHandler(retries)
         logger.setLevel(level)
+
+
+async def test_connection_errors_during_an_outage_are_said_once() -> None:
+    import asyncio
+
+    from celery_nats_leader.nats import connection as connection_module
+
+    records: list[logging.LogRecord] = []
+    three_errors = asyncio.Event()
+    back = asyncio.Event()
+
+    def errors() -> list[logging.LogRecord]:
+        return [r for r in records if "NATS connection error" in r.getMessage()]
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+            if len(errors()) >= 3:
+                three_errors.set()
+
+    class Back(connection_module.ConnectionListener):
+        def reconnected(self) -> None:
+            back.set()
+
+    logger = logging.getLogger(connection_module.__name__)
+    handler = Collect(logging.DEBUG)
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        with NatsServer() as server:
+            nc = await connection_module.connect(
+                connection_module.ConnectOptions(servers=(server.url,)),
+                listeners=[Back()],
+                timeout=5.0,
+            )
+            server.stop()
+            await asyncio.wait_for(three_errors.wait(), 15)  # reconnects every 0.5 s
+            server.start()
+            await asyncio.wait_for(back.wait(), 15)
+            await nc.close()
+        seen = errors()
+        # One warning for the whole outage; the repeats at DEBUG, counted.
+        assert [r.levelno for r in seen].count(logging.WARNING) == 1, [r.getMessage() for r in seen]
+        assert "(1 since the last connection)" in seen[0].getMessage()
+        assert all(not r.getMessage().rstrip().endswith(":") for r in seen)
+        reconnected = [r.getMessage() for r in records if "reconnected to NATS" in r.getMessage()]
+        assert re.search(r"after \d+ connection errors", reconnected[0]), reconnected
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
