@@ -45,6 +45,8 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import inspect
 import logging
 import threading
@@ -204,13 +206,16 @@ class LeaderServiceRunner:
         self._thread: threading.Thread | None = None
         self._cancel_sent = False
         self._closed = False
+        # A run is active from its start until it returned (set on the run's
+        # own thread or task, read on the loop).
+        self._active = False
+        self._start_when_done = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def running(self) -> bool:
         """Whether a run of the service has not returned yet."""
-        if self._task is not None and not self._task.done():
-            return True
-        return self._thread is not None and self._thread.is_alive()
+        return self._active
 
     # ---------------------------------------------------- election hooks
 
@@ -260,18 +265,24 @@ class LeaderServiceRunner:
     def _start(self) -> None:
         election = self.election
         token = election.token
-        if self._closed or token is None or self.running:
-            if self.running:
-                logger.error(
-                    "%s: leader service %s from the previous term is still running; "
-                    "not starting another copy",
-                    election.role,
-                    self.name,
-                )
+        self._loop = asyncio.get_running_loop()
+        if self._closed or token is None:
+            return
+        if self.running:
+            # Never two copies here either: start this term's once the old
+            # run returns (if this process still leads then).
+            self._start_when_done = True
+            logger.error(
+                "%s: leader service %s from the previous term is still running; "
+                "starting this term's copy when it returns",
+                election.role,
+                self.name,
+            )
             return
         context = LeaderContext(election, token)
         self._context = context
         self._cancel_sent = False
+        self._active = True
         self.runs += 1
         logger.info(
             "%s: starting leader service %s (epoch %d)", election.role, self.name, token.epoch
@@ -280,6 +291,7 @@ class LeaderServiceRunner:
             self._task = asyncio.get_running_loop().create_task(
                 self._run_async(context), name=f"leader-service-{election.role}-{self.name}"
             )
+            self._task.add_done_callback(functools.partial(self._task_done, context))
         else:
             self._thread = threading.Thread(
                 target=self._run_thread,
@@ -301,6 +313,12 @@ class LeaderServiceRunner:
             task.cancel()
 
     async def _run_async(self, context: LeaderContext) -> None:
+        try:
+            await self._serve_async(context)
+        finally:
+            self._finished(context)
+
+    async def _serve_async(self, context: LeaderContext) -> None:
         delay = _FIRST_RESTART_DELAY
         while not context.stopped:
             try:
@@ -327,9 +345,14 @@ class LeaderServiceRunner:
                 delay = min(delay * 2, _MAX_RESTART_DELAY)
                 continue
             break
-        self._finished(context)
 
     def _run_thread(self, context: LeaderContext) -> None:
+        try:
+            self._serve_thread(context)
+        finally:
+            self._finished(context)
+
+    def _serve_thread(self, context: LeaderContext) -> None:
         delay = _FIRST_RESTART_DELAY
         while not context.stopped:
             try:
@@ -345,15 +368,31 @@ class LeaderServiceRunner:
                 delay = min(delay * 2, _MAX_RESTART_DELAY)
                 continue
             break
-        self._finished(context)
+
+    def _task_done(self, context: LeaderContext, task: asyncio.Task[None]) -> None:
+        # A task cancelled before its first step never ran _run_async's finally.
+        if self._active and self._context is context:
+            self._finished(context)
 
     def _finished(self, context: LeaderContext) -> None:
+        if not self._active or self._context is not context:
+            return  # reported already
         logger.info(
             "%s: leader service %s stopped (%s)",
             context.role,
             self.name,
             context.reason.value if context.reason is not None else "returned",
         )
+        self._active = False
+        loop = self._loop
+        if self._start_when_done and loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to start
+                loop.call_soon_threadsafe(self._start_late)
+
+    def _start_late(self) -> None:
+        self._start_when_done = False
+        if self.election.is_leader:
+            self._start()
 
     def _warn_late(self) -> None:
         logger.error(

@@ -197,3 +197,30 @@ async def test_raising_service_is_restarted_while_leading(
     assert runner.running and runner.runs == 1  # one term, one run, restarted inside
     await a.stop()
     assert not runner.running
+
+
+async def test_a_late_run_delays_the_next_terms_copy_instead_of_overlapping(
+    make: Callable[..., tuple[Election, MemoryBackend]],
+) -> None:
+    runs = Runs()
+
+    def stubborn(ctx: LeaderContext) -> None:
+        start = time.monotonic()
+        ctx.wait()
+        if ctx.token.epoch == first_epoch[0]:
+            time.sleep(1.0)  # ignores the stop for longer than grace and the sit-out
+        runs.add("a", ctx.token.epoch, start, time.monotonic())
+
+    first_epoch: list[int] = []
+    a, _ = make("a")
+    runner = a.run_while_leading(stubborn, grace=0.01)
+    await a.start()
+    assert a.token is not None
+    first_epoch.append(a.token.epoch)
+    await a.resign()  # alone: it takes the role back after sitting out one TTL
+    await wait_until(lambda: a.is_leader and a.token is not None and a.token.epoch > first_epoch[0])
+    assert runner.runs == 1  # the old copy is still running: no second one yet
+    await wait_until(lambda: runner.runs == 2, 3)
+    await a.stop()
+    await wait_until(lambda: len(runs.intervals) == 2, 3)
+    runs.assert_never_two_at_once()
