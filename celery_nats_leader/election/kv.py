@@ -82,6 +82,7 @@ class Election(BaseElection):
     _logger = logger
     _name_prefix = "election"
     _permanent_errors = PERMANENT_ERRORS
+    _strategy = "kv"
 
     def _init_state(self) -> None:
         self._bucket: Bucket | None = None
@@ -221,6 +222,7 @@ class Election(BaseElection):
             self._token = None
             self._lease_deadline = 0.0
             self._cancel_deadline_timer()
+            self._ending_reason = DemoteReason.STOPPED
             self._set_state(ElectionState.STOPPED)
             await self._callbacks.submit(self._demote_callbacks, DemoteReason.STOPPED)
             if self.config.release_on_stop:
@@ -777,6 +779,7 @@ class Election(BaseElection):
         self._token = None
         self._lease_deadline = 0.0
         self._cancel_deadline_timer()
+        self._ending_reason = reason
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: demoted (%s)", self.role, reason.value)
         self._stop_health_watch()
@@ -929,6 +932,7 @@ class Election(BaseElection):
         self._cancel_deadline_timer()
         # Sit out one TTL so that someone else takes the role.
         self._sit_out_until = self._clock.monotonic() + self.config.ttl
+        self._ending_reason = reason
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: stepping down (%s)", self.role, reason.value)
         self._stop_health_watch()
