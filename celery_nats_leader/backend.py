@@ -83,8 +83,8 @@ class Bucket(Protocol):
         """
         ...
 
-    async def delete(self, key: str, *, last: int, timeout: float) -> None:
-        """Delete ``key`` only if its latest revision is ``last``.
+    async def delete(self, key: str, *, last: int, timeout: float) -> int:
+        """Delete ``key`` only if its latest revision is ``last``; return the delete's revision.
 
         Raises:
             RevisionMismatchError: The key changed since ``last``.

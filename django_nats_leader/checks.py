@@ -191,7 +191,7 @@ def check_settings(
         return [
             checks.Error(
                 f"{conf.SETTING_NAME} is invalid: {exc}",
-                hint="Fix the value named above; the README's Django section lists every key.",
+                hint="Fix the value named above; docs/configuration.md lists every key.",
                 id="nats_leader.E005",
             )
         ]

@@ -49,7 +49,7 @@ when a term begins, carried in every message. Within a connected cluster
 every new term's epoch exceeds every earlier term's; a leader that hears of
 an epoch above its own (a concurrent term, after a partition healed) ends
 its term and starts a new one above it. Across a partition epochs are not
-ordered by causality: see the README's ALLCALL section.
+ordered by causality: see docs/allcall.md.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class AllcallElection(BaseElection):
     Implements :class:`~celery_nats_leader.election.interface.LeaderElection` with the
     same semantics as :class:`~celery_nats_leader.election.Election` where
     they apply; see the module docstring for the algorithm and the clock
-    assumption, and the README's ALLCALL section for the guarantees.
+    assumption, and docs/allcall.md for the guarantees.
 
     Constructed like every strategy (see
     :class:`~celery_nats_leader.election.base.BaseElection` for the
@@ -298,6 +298,7 @@ class AllcallElection(BaseElection):
         await self._cancel_main()
         self._token = None
         self._lease_deadline = 0.0
+        self._ending_reason = DemoteReason.STOPPED
         self._set_state(ElectionState.STOPPED)
         if was_leader:
             await self._callbacks.submit(self._demote_callbacks, DemoteReason.STOPPED)
@@ -536,6 +537,8 @@ class AllcallElection(BaseElection):
             better.id,
             better.epoch,
         )
+        if was_leader:
+            self._ending_reason = DemoteReason.REVISION_CHANGED
         self._end_term()
         self._adopt(better)
         if was_leader:
@@ -558,6 +561,7 @@ class AllcallElection(BaseElection):
         """Stop leading at once (state first, callbacks after)."""
         if self._state is not ElectionState.LEADER:
             return
+        self._ending_reason = reason
         self._end_term()
         logger.info("%s: demoted (%s)", self.role, reason.value)
         self._callbacks.submit(self._demote_callbacks, reason)
@@ -882,6 +886,7 @@ class AllcallElection(BaseElection):
         if self._state is not ElectionState.LEADER or claim is None:
             return
         self._release_reason = None
+        self._ending_reason = reason
         self._end_term()
         # Sit out one TTL so that someone else takes the role.
         self._sit_out_until = self._clock.monotonic() + self.config.ttl

@@ -37,11 +37,16 @@ from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election.callbacks import CallbackRunner
 from celery_nats_leader.election.health import watch_health
 from celery_nats_leader.election.observer import ElectionObserver, NullObserver
-from celery_nats_leader.errors import ElectionError, ElectionStoppedError
+from celery_nats_leader.errors import ConfigError, ElectionError, ElectionStoppedError
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
 
 if TYPE_CHECKING:
+    from celery_nats_leader.election.services import (
+        LeaderServiceRunner,
+        LeadingScope,
+        ServiceFunction,
+    )
     from celery_nats_leader.nats.connection import ConnectOptions
 
 logger = logging.getLogger(__name__)
@@ -152,6 +157,8 @@ class BaseElection(abc.ABC):
     #: Errors after which retrying cannot help: the main loop stops with them
     #: as :attr:`error`, without the "loop crashed" traceback.
     _permanent_errors: ClassVar[tuple[type[ElectionError], ...]] = ()
+    #: The ``ElectionConfig.strategy`` this class implements (``None``: any).
+    _strategy: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -163,6 +170,15 @@ class BaseElection(abc.ABC):
         observer: ElectionObserver | None = None,
         rng: random.Random | None = None,
     ) -> None:
+        if self._strategy is not None and config.strategy != self._strategy:
+            # Running one algorithm on a config that asks for another would be
+            # a silent surprise: refuse and say how.
+            raise ConfigError(
+                f"{type(self).__name__} is the {self._strategy.upper()} strategy, but the config "
+                f"has strategy={config.strategy!r}; build the election with "
+                "celery_nats_leader.new_election(config), which returns the class of "
+                "config.strategy"
+            )
         self.config = config
         self._connect_options = connect_options
         self._backend: Backend | None = backend
@@ -191,6 +207,13 @@ class BaseElection(abc.ABC):
         self._change_callbacks: list[LeaderChangeCallback] = []
         self._error_callbacks: list[ErrorCallback] = []
         self._callbacks = CallbackRunner(f"{config.role}")
+        # Called synchronously on the loop at every state change (leader
+        # services must be told to stop at that instant, not after the
+        # callbacks queued before them).
+        self._transition_hooks: list[Callable[[ElectionState, ElectionState], None]] = []
+        # Why the term is ending, set just before the state leaves LEADER so
+        # that the hooks can tell the services (consumed by _set_state).
+        self._ending_reason: DemoteReason | None = None
         # Loop-bound: created in start(), never here.
         self._wake: asyncio.Event | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -310,6 +333,67 @@ class BaseElection(abc.ABC):
         self._error_callbacks.append(callback)
         return callback
 
+    def run_while_leading(
+        self,
+        service: ServiceFunction,
+        *,
+        name: str | None = None,
+        grace: float | None = None,
+    ) -> LeaderServiceRunner:
+        """Run ``service(ctx)`` for as long as this process leads, every term.
+
+        Started on each promotion and stopped when the term ends: a
+        coroutine function as a task on this loop (cancelled), a plain
+        function on a thread of its own (``ctx.stopped`` turns true, it must
+        return). See :mod:`celery_nats_leader.election.services`. Register
+        before :meth:`start`, or on the election's loop.
+
+        Args:
+            service: The service; it receives a
+                :class:`~celery_nats_leader.election.services.LeaderContext`.
+            name: For logs; default the function's name.
+            grace: Seconds a stopping service is awaited before the term is
+                released; default ``lease_margin``.
+
+        Returns:
+            The service's handle (``runs``, ``running``, ``close()``).
+
+        """
+        from celery_nats_leader.election.services import LeaderServiceRunner
+
+        runner = LeaderServiceRunner(self, service, name=name, grace=grace)
+        self._transition_hooks.append(runner.transition)
+        # Async: runs on the loop, awaited by a release before the key goes.
+        self._demote_callbacks.append(runner.demoted)
+        if self._state is ElectionState.LEADER and self.is_leader:
+            runner.transition(ElectionState.FOLLOWER, ElectionState.LEADER)
+        return runner
+
+    def leading(self, timeout: float | None = None) -> LeadingScope:
+        """``async with election.leading() as ctx:`` runs the block while leading.
+
+        Waits for leadership, then runs the block; if the term ends inside,
+        the block is cancelled and raises
+        :class:`~celery_nats_leader.errors.LeadershipLostError`.
+
+        Args:
+            timeout: Seconds to wait for leadership (``TimeoutError`` after).
+
+        Returns:
+            The scope; ``ctx.token`` is the term's fencing token.
+
+        """
+        from celery_nats_leader.election.services import LeadingScope
+
+        return LeadingScope(self, timeout)
+
+    def _add_transition_hook(self, hook: Callable[[ElectionState, ElectionState], None]) -> None:
+        self._transition_hooks.append(hook)
+
+    def _remove_transition_hook(self, hook: Callable[[ElectionState, ElectionState], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._transition_hooks.remove(hook)
+
     @abc.abstractmethod
     async def start(self, *, wait: float | None = None) -> None:
         """Join the election (see the strategy for what it waits for).
@@ -425,7 +509,9 @@ class BaseElection(abc.ABC):
             raise ElectionStoppedError(f"election for {self.role!r} was already started")
         self._wake = asyncio.Event()
         self._decided = asyncio.Event()
-        self._leading = asyncio.Event()
+        # Kept across a failed start retried later: waiters of
+        # wait_for_leadership() from the first attempt must see this one.
+        self._leading = self._leading or asyncio.Event()
         return await self._open_backend()
 
     async def _launch(self, wait: float) -> None:
@@ -525,6 +611,12 @@ class BaseElection(abc.ABC):
             self.instance_id,
         )
         self._observer.state_changed(self.role, self.instance_id, old.value, new.value)
+        for hook in list(self._transition_hooks):
+            try:
+                hook(old, new)
+            except Exception:
+                self._logger.exception("%s: transition hook %r raised", self.role, hook)
+        self._ending_reason = None
         if self._decided is not None and self._decides(old, new):
             self._decided.set()
         if self._leading is not None:

@@ -55,6 +55,16 @@ _NO_MESSAGE_FOUND = 10037
 _WRONG_LAST_SEQUENCE = 10071
 _WRONG_LAST_SEQUENCE_CONSTANT = 10164
 _KV_OPERATION = "KV-Operation"
+# nats-server 2.11+ places its own markers (a key expired by max_age, a purge)
+# with this header instead of KV-Operation.
+_MARKER_REASON = "Nats-Marker-Reason"
+_MARKER_OPERATIONS = {
+    "MaxAge": Operation.PURGE,
+    "Purge": Operation.PURGE,
+    "Remove": Operation.DELETE,
+}
+#: First server version with subject delete markers on max_age (and per-message TTLs).
+MARKERS_SINCE = (2, 11)
 _EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 # Seconds of slack tolerated between the bucket's max_age and the election TTL.
 _TTL_TOLERANCE = 0.001
@@ -136,10 +146,10 @@ class JetStreamBucket:
         """Write ``value`` unconditionally; return the revision."""
         return await self._write(key, value, last=None, timeout=timeout)
 
-    async def delete(self, key: str, *, last: int, timeout: float) -> None:
-        """Delete ``key`` only if its latest revision is ``last``."""
+    async def delete(self, key: str, *, last: int, timeout: float) -> int:
+        """Delete ``key`` only if its latest revision is ``last``; return the delete's revision."""
         headers = {_KV_OPERATION: Operation.DELETE.value}
-        await self._write(key, b"", last=last, timeout=timeout, headers=headers)
+        return await self._write(key, b"", last=last, timeout=timeout, headers=headers)
 
     async def _write(
         self,
@@ -187,6 +197,10 @@ class JetStreamBucket:
                 op = Operation.DELETE
             elif op_header == Operation.PURGE.value:
                 op = Operation.PURGE
+            elif _MARKER_REASON in msg.headers:
+                # A server-placed marker is never a value: an unknown reason
+                # counts as a purge rather than as someone's record.
+                op = _MARKER_OPERATIONS.get(msg.headers[_MARKER_REASON], Operation.PURGE)
         return KVEntry(key=key, value=msg.data or b"", revision=int(msg.seq or 0), operation=op)
 
     async def watch(self, key: str, callback: WatchCallback) -> JetStreamSubscription:
@@ -255,7 +269,16 @@ class JetStreamBucket:
             try:
                 async for update in watcher:
                     if update is None:
-                        break
+                        # nats-py sends its "nothing (more) to deliver" marker
+                        # when the consumer reports nothing pending and no
+                        # message was parsed yet. Under load the server may have
+                        # sent every message already while none was parsed: the
+                        # marker then comes first and a full bucket would look
+                        # empty (a status page showing "no leader"). Only the
+                        # server's delivered count tells the two apart.
+                        if await self._nothing_delivered(watcher):
+                            break
+                        continue  # the messages are on their way; the last has delta 0
                     if update.operation is None:
                         found.append(
                             KVEntry(
@@ -272,6 +295,15 @@ class JetStreamBucket:
             return found
 
         return await self._backend.call(collect(), timeout=timeout, bucket=self.name)
+
+    @staticmethod
+    async def _nothing_delivered(watcher: KeyValue.KeyWatcher) -> bool:
+        """Whether the server delivered no message at all to ``watcher`` (an empty bucket)."""
+        subscription = watcher._sub
+        if subscription is None:
+            return True
+        info = await subscription.consumer_info()
+        return not info.num_pending and not info.delivered.consumer_seq
 
     async def ttl(self, *, timeout: float) -> float:
         """Return the bucket's ``max_age`` in seconds."""
@@ -530,11 +562,41 @@ class JetStreamBackend:
             )
         return bucket
 
+    def server_version(self) -> tuple[int, int]:
+        """``(major, minor)`` of the server this connection is on (``(0, 0)``: unknown)."""
+        version = self.nc.connected_server_version
+        try:
+            return version.major, version.minor
+        except (AttributeError, ValueError, TypeError):
+            return 0, 0
+
+    def expiry_markers_available(self) -> bool:
+        """Whether a bucket created now can have the server mark max_age expiry.
+
+        Needs nats-server 2.11+ and a nats-py that knows the setting (2.11+ as
+        well); neither is required, both are used when present.
+        """
+        return self.server_version() >= MARKERS_SINCE and hasattr(
+            KeyValueConfig, "limit_marker_ttl"
+        )
+
     async def _create_bucket(
         self, name: str, *, ttl: float | None, replicas: int, timeout: float
     ) -> Any:
+        options: dict[str, Any] = {}
+        if ttl and self.expiry_markers_available():
+            # Watchers (followers, operators' tools) then see an expiry as a
+            # purge instead of the key silently vanishing; the marker itself
+            # is kept one TTL.
+            options["limit_marker_ttl"] = ttl
         config = KeyValueConfig(
-            bucket=name, history=1, ttl=ttl, replicas=replicas, storage=StorageType.FILE
+            bucket=name, history=1, ttl=ttl, replicas=replicas, storage=StorageType.FILE, **options
+        )
+        logger.debug(
+            "creating KV bucket %s on nats-server %s (expiry markers: %s)",
+            name,
+            ".".join(map(str, self.server_version())),
+            "limit_marker_ttl" in options,
         )
         try:
             return await asyncio.wait_for(self.js.create_key_value(config), timeout)

