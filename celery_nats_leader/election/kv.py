@@ -501,6 +501,7 @@ class Election(BaseElection):
         """Read the key: backs up a watch that may miss expiries or go blind."""
         assert self._bucket is not None
         self._last_read_at = self._clock.monotonic()
+        known = self._view.revision
         try:
             entry = await self._bucket.get(self.role, timeout=self.config.request_timeout)
         except PERMANENT_ERRORS:
@@ -509,6 +510,8 @@ class Election(BaseElection):
             logger.debug("%s: resync read failed: %s", self.role, exc)
             return
         self._backoff.success()
+        if self._view.revision != known:
+            return  # the watch told us something newer while we read
         if entry is None and self._view.present:
             # Gone without an event: expired. Campaign now (after jitter).
             self._observe(None, authoritative=True)
@@ -626,6 +629,10 @@ class Election(BaseElection):
             # Renewed, released or expired by the server meanwhile: learn which.
             entry = await self._read_quietly()
             self._set_state(ElectionState.FOLLOWER)
+            if self._view.revision != revision:
+                # The watch delivered something newer while we wrote or read:
+                # it is newer than our read (which may predate it) too.
+                return None
             if entry is not None and entry.revision == revision:
                 self._retry_later()  # the store still shows it: never spin
             else:
