@@ -14,6 +14,7 @@ from typing import Any
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.js.api import KeyValueConfig
 
 from celery_nats_leader import Election, ElectionConfig, ElectionState
 from celery_nats_leader.nats.jetstream import JetStreamBackend
@@ -187,7 +188,8 @@ async def test_a_bucket_the_election_creates_marks_expiry_where_the_server_can(
     nats_server: NatsServer, nc: Client
 ) -> None:
     backend = JetStreamBackend(nc)
-    markers = backend.server_version() >= (2, 11)
+    # The server must have them (2.11+), and nats-py must know the setting.
+    markers = backend.server_version() >= (2, 11) and hasattr(KeyValueConfig, "limit_marker_ttl")
     assert backend.expiry_markers_available() is markers
     bucket = await backend.open_bucket("marked", ttl=1.0, create=True, replicas=1, timeout=2)
     seen: list[tuple[str, int]] = []
