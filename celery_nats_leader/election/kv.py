@@ -655,7 +655,7 @@ class Election(BaseElection):
         return deleted
 
     async def _after_lost_campaign(self, expected_revision: int, expected_present: bool) -> None:
-        """The key is held: learn by whom, or retry if it is only slow to expire.
+        """The key is held: learn by whom, or come back when its record may be deleted as expired.
 
         Args:
             expected_revision: The key's revision we knew of when we decided to campaign.
@@ -1018,7 +1018,11 @@ class Election(BaseElection):
                 # Introduce ourselves back only if we are preferred over the
                 # newcomer (a broadcast from every member to every newcomer
                 # cost N² messages when N candidates started together).
-                if hello["id"] != self.instance_id and self.config.priority > priority:
+                if (
+                    hello["id"] != self.instance_id
+                    and reply is None
+                    and self.config.priority > priority
+                ):
                     await self._announce(
                         {"known": {"id": self.instance_id, "priority": self.config.priority}}
                     )
