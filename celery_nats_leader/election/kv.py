@@ -25,30 +25,20 @@ import asyncio
 import contextlib
 import json
 import logging
-import random
 import uuid
 from collections import deque
 from typing import Any
 
-from nats.aio.client import Client
-
 from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, Bucket, KVEntry, Operation
 from celery_nats_leader.backoff import Backoff
-from celery_nats_leader.clock import Clock
-from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election.base import (
     BaseElection,
-    DemoteCallback,
     DemoteReason,
     ElectionState,
-    ErrorCallback,
-    LeaderChangeCallback,
-    PromoteCallback,
     control_subject,
 )
 from celery_nats_leader.election.follower_view import FollowerView
-from celery_nats_leader.election.observer import ElectionObserver
 from celery_nats_leader.election.roster import Roster
 from celery_nats_leader.errors import (
     BackendError,
@@ -63,8 +53,8 @@ from celery_nats_leader.errors import (
     RecordFormatError,
     RevisionMismatchError,
 )
-from celery_nats_leader.nats.connection import ConnectOptions
 from celery_nats_leader.record import LeaderRecord, decode_record, encode_record
+from celery_nats_leader.term import read_term
 from celery_nats_leader.token import FencingToken
 
 logger = logging.getLogger(__name__)
@@ -84,43 +74,17 @@ _REMEMBERED_TOKENS = 16
 class Election(BaseElection):
     """Leader election for one role on a NATS JetStream KV bucket.
 
-    Args:
-        config: The role's configuration.
-        connection: A connected nats-py client to use; when ``None`` the
-            election opens (and later closes) its own from ``connect_options``.
-        connect_options: Where to connect when ``connection`` is ``None``.
-        backend: A ready backend (tests use the in-memory one); overrides
-            ``connection``.
-        clock: Monotonic clock for every deadline (injectable for tests).
-        observer: Receives measurements (metrics).
-        rng: Random source for jitter.
+    Constructed like every strategy: see
+    :class:`~celery_nats_leader.election.base.BaseElection` for the arguments.
 
     """
 
     _logger = logger
     _name_prefix = "election"
     _permanent_errors = PERMANENT_ERRORS
+    _strategy = "kv"
 
-    def __init__(
-        self,
-        config: ElectionConfig,
-        connection: Client | None = None,
-        *,
-        connect_options: ConnectOptions | None = None,
-        backend: Backend | None = None,
-        clock: Clock | None = None,
-        observer: ElectionObserver | None = None,
-        rng: random.Random | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            connection,
-            connect_options=connect_options,
-            backend=backend,
-            clock=clock,
-            observer=observer,
-            rng=rng,
-        )
+    def _init_state(self) -> None:
         self._bucket: Bucket | None = None
 
         # Leader side.
@@ -132,20 +96,23 @@ class Election(BaseElection):
         # What we know of the key (both sides).
         self._leader: LeaderRecord | None = None
         # Revision seen, since when, when to campaign: arithmetic kept apart.
-        self._view = FollowerView(ttl=config.ttl, expiry_margin=c.FOLLOWER_EXPIRY_MARGIN_SECONDS)
+        self._view = FollowerView(
+            ttl=self.config.ttl, expiry_margin=c.FOLLOWER_EXPIRY_MARGIN_SECONDS
+        )
         self._last_read_at = 0.0
         self._bad_record_revision = 0
         self._issued_tokens: deque[str] = deque(maxlen=_REMEMBERED_TOKENS)
         self._roster = Roster(
-            own_id=config.instance_id,
-            own_priority=config.priority,
-            expiry=c.ROSTER_EXPIRY_HEARTBEATS * config.heartbeat_interval,
+            own_id=self.config.instance_id,
+            own_priority=self.config.priority,
+            expiry=c.ROSTER_EXPIRY_HEARTBEATS * self.config.heartbeat_interval,
         )
         self._next_announce_at = 0.0
 
         self._backoff = Backoff(
             breaker_cooldown=min(
-                c.CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS, config.ttl * c.CIRCUIT_BREAKER_COOLDOWN_TTLS
+                c.CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS,
+                self.config.ttl * c.CIRCUIT_BREAKER_COOLDOWN_TTLS,
             ),
             rng=self._rng,
         )
@@ -234,8 +201,7 @@ class Election(BaseElection):
         await self._unsubscribe_all()
         await self._callbacks.stop()
         self._bucket = None
-        if await self._close_own_connection():
-            self._backend = None  # it was built on that connection
+        await self._close_own_backend()
 
     async def stop(self) -> None:
         """Leave the election.
@@ -254,6 +220,7 @@ class Election(BaseElection):
             self._token = None
             self._lease_deadline = 0.0
             self._cancel_deadline_timer()
+            self._ending_reason = DemoteReason.STOPPED
             self._set_state(ElectionState.STOPPED)
             await self._callbacks.submit(self._demote_callbacks, DemoteReason.STOPPED)
             if self.config.release_on_stop:
@@ -278,17 +245,11 @@ class Election(BaseElection):
         if not self.is_leader or token is None or self._bucket is None:
             return False
         try:
-            entry = await self._bucket.get(self.role, timeout=self.config.request_timeout)
+            term = await read_term(self._bucket, self.role, timeout=self.config.request_timeout)
         except ElectionError as exc:
             logger.debug("%s: token validation could not read the key: %s", self.role, exc)
             return False
-        record = self._decode(entry) if entry is not None else None
-        ok = (
-            record is not None
-            and record.token == token.value
-            and record.id == self.instance_id
-            and record.epoch == token.epoch
-        )
+        ok = term is not None and term.holds(token, self.instance_id)
         self._observer.validation(self.role, self.instance_id, ok)
         if not ok:
             if self._token is token:
@@ -297,7 +258,7 @@ class Election(BaseElection):
                     self.role,
                     token,
                 )
-                reason = DemoteReason.KEY_DELETED if entry is None else DemoteReason.TOKEN_MISMATCH
+                reason = DemoteReason.KEY_DELETED if term is None else DemoteReason.TOKEN_MISMATCH
                 self._demote(reason)
             return False
         return self.is_leader and self._token is token
@@ -514,7 +475,9 @@ class Election(BaseElection):
         except ElectionError as exc:
             logger.debug("%s: resync read failed: %s", self.role, exc)
             return
-        self._backoff.success()
+        # A successful read says nothing about writes: with JetStream out of
+        # storage reads succeed while every create fails. Only a write's
+        # answer resets the backoff, or the breaker would never open.
         if self._view.revision != known:
             return  # the watch told us something newer while we read
         if entry is None and self._view.present:
@@ -572,6 +535,23 @@ class Election(BaseElection):
             logger.debug("%s: campaign failed: %s", self.role, exc)
             self._set_state(ElectionState.FOLLOWER)
             self._retry_later()
+            return
+        if self._view.revision > revision:
+            # The key changed after our create, before its acknowledgement
+            # reached us: our record is already overwritten. A clustered
+            # nats-server before 2.9.21 can accept two concurrent creates
+            # (nats-server#4320); the later one holds the key, so we lost.
+            logger.warning(
+                "%s: created the key at revision %d, but revision %d is already newer; "
+                "following (a clustered nats-server < 2.9.21 accepts concurrent creates)",
+                self.role,
+                revision,
+                self._view.revision,
+            )
+            self._observer.campaign(self.role, self.instance_id, False)
+            self._set_state(ElectionState.FOLLOWER)
+            if self._decided is not None:
+                self._decided.set()
             return
         self._observer.campaign(self.role, self.instance_id, True)
         self._win(FencingToken(revision, token_value), revision, send)
@@ -739,9 +719,7 @@ class Election(BaseElection):
         # The watch may have delivered our own create before its acknowledgement
         # (we were still a candidate): the change was reported then already.
         previous = self._leader
-        already_reported = (
-            previous is not None and previous.token == token.value and previous.epoch == token.epoch
-        )
+        already_reported = previous is not None and previous.holds(token)
         self._leader = LeaderRecord(
             id=cfg.instance_id,
             token=token.value,
@@ -813,6 +791,7 @@ class Election(BaseElection):
         self._token = None
         self._lease_deadline = 0.0
         self._cancel_deadline_timer()
+        self._ending_reason = reason
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: demoted (%s)", self.role, reason.value)
         self._stop_health_watch()
@@ -965,6 +944,7 @@ class Election(BaseElection):
         self._cancel_deadline_timer()
         # Sit out one TTL so that someone else takes the role.
         self._sit_out_until = self._clock.monotonic() + self.config.ttl
+        self._ending_reason = reason
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: stepping down (%s)", self.role, reason.value)
         self._stop_health_watch()
@@ -1042,16 +1022,4 @@ def _priority(entry: dict[str, Any]) -> int:
     return priority if isinstance(priority, int) else 0
 
 
-# The states, reasons, callback types and control_subject were defined here
-# first (now in election_base): they stay importable from this module.
-__all__ = [
-    "PERMANENT_ERRORS",
-    "DemoteCallback",
-    "DemoteReason",
-    "Election",
-    "ElectionState",
-    "ErrorCallback",
-    "LeaderChangeCallback",
-    "PromoteCallback",
-    "control_subject",
-]
+__all__ = ["PERMANENT_ERRORS", "Election"]
