@@ -64,6 +64,9 @@ def main() -> int:
     parser.add_argument("--no-pg", action="store_true", help="skip the PostgreSQL fence")
     parser.add_argument("--beats", type=int, default=3, help="celery beat replicas (0: none)")
     parser.add_argument(
+        "--workers", type=int, default=3, help="workers running leader-only tasks (0: none)"
+    )
+    parser.add_argument(
         "--broker",
         default=os.environ.get("CNL_REDIS_URL", "redis://127.0.0.1:6379/0"),
         help="the beat's broker",
@@ -88,11 +91,14 @@ def main() -> int:
         beats=args.beats,
         beat_app_dir=Path(__file__).resolve().parent.parent / "tests" / "beat",
         broker_url=args.broker,
+        workers=args.workers,
+        celery_app_dir=Path(__file__).resolve().parent.parent / "tests" / "celery",
     )
     started = time.monotonic()
     print(
         f"soak: {args.faults} faults, TTL {args.ttl:g} s, {args.candidates} candidates on 2 "
-        f"roles, {args.beats} celery beat replicas (1-s entry), "
+        f"roles, {args.beats} celery beat replicas (1-s entry), {args.workers} workers "
+        "(leader-only tasks), "
         f"nats-server {server_version(binary)} x3 (R3), "
         f"fences: file{' + PostgreSQL' if pg else ''}; "
         f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
