@@ -55,8 +55,9 @@ import nats
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 
 from celery_nats_leader.testing.checker import Report, check, load_events
+from celery_nats_leader.testing.cluster import NatsCluster
 from celery_nats_leader.testing.fault_proxy import ThreadedFaultProxy
-from celery_nats_leader.testing.nats_server import NatsCluster, _thread_states
+from celery_nats_leader.testing.process import thread_states
 from celery_nats_leader.testing.soak_child import MODULE as CHILD_MODULE
 from celery_nats_leader.testing.soak_child import EventLog, FileFence, pg_settings
 
@@ -601,7 +602,7 @@ class Soak:
         # "Paused" only once every thread is stopped: until then it may act.
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            states = _thread_states(pid)
+            states = thread_states(pid)
             if states and all(s in "Tt" for s in states):
                 break
             time.sleep(0.001)

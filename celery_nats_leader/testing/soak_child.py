@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionError
-from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, connect
+from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, open_backend
 from celery_nats_leader.token import FencingToken
 
 __all__ = ["EventLog", "FileFence", "main", "pg_settings"]
@@ -212,7 +212,7 @@ async def _run(args: argparse.Namespace, log: EventLog) -> int:
     roles = [r for r in args.roles.split(",") if r]
     elections: list[Election] = []
     try:
-        nc = await connect(
+        backend = await open_backend(
             ConnectOptions(
                 servers=urls,
                 options={"reconnect_time_wait": 0.1},
@@ -233,7 +233,7 @@ async def _run(args: argparse.Namespace, log: EventLog) -> int:
             ttl=args.ttl,
             priority=args.priority,
         )
-        election = Election(config, nc)
+        election = Election(config, backend)
 
         def callbacks(election: Election, role: str) -> None:
             @election.on_promote
@@ -282,7 +282,7 @@ async def _run(args: argparse.Namespace, log: EventLog) -> int:
             await asyncio.to_thread(writer.join, 5.0)
         await asyncio.gather(*(e.stop() for e in elections), return_exceptions=True)
         with contextlib.suppress(Exception):
-            await nc.close()
+            await backend.close()
         log.emit("stopped", code=code)
     return code
 
