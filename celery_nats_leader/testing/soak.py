@@ -735,6 +735,12 @@ class Soak:
             from django_nats_leader.models import FenceEpoch
 
             FenceEpoch.objects.filter(role__in=self.roles).delete()
+        if self.tasks_ledger.exists():
+            # The workers' ledger is a fenced resource too (its commits refuse
+            # an epoch older than the newest seen).
+            with contextlib.closing(sqlite3.connect(str(self.tasks_ledger), timeout=30)) as db:
+                db.execute("UPDATE fence SET max_epoch = 0")
+                db.commit()
 
     # -------------------------------------------------------------- scheduling
 
