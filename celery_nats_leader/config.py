@@ -148,7 +148,10 @@ class ElectionConfig:
     """Seconds between reads that back up the key watch; ``0`` means the heartbeat."""
 
     campaign_jitter: float = c.DEFAULT_CAMPAIGN_JITTER_SECONDS
-    """Largest random delay before campaigning on a released or expired key."""
+    """Largest random delay added for candidates behind the first in line when the role falls free.
+
+    The first in line (by priority, then id) campaigns at once; the k-th waits
+    ``k`` successor steps (2 ms) plus a random delay up to this, capped at one step."""
 
     priority_step: float = c.DEFAULT_PRIORITY_STEP_SECONDS
     """Campaign delay per priority point below the best known candidate."""

@@ -51,9 +51,21 @@ DEFAULT_PRIORITY_STEP_SECONDS = 0.01
 #: Longest priority-based campaign delay, in seconds, whatever the gap.
 MAX_PRIORITY_LAG_SECONDS = 0.5
 
-#: How often a follower retries a campaign while the server has not yet
-#: removed an expired key (its expiry timer has a few milliseconds of slack).
-EXPIRY_RETRY_SECONDS = 0.01
+#: Delay, in seconds, per candidate of the same priority ahead in line (by
+#: id) before a follower campaigns for a free role. The first in line goes at
+#: once; the others follow a step apart (plus the jitter), in case it is gone.
+SUCCESSOR_STEP_SECONDS = 0.002
+
+#: A roster entry not refreshed for this many heartbeats is dropped: followers
+#: announce themselves every heartbeat, crashed candidates stop doing so.
+ROSTER_EXPIRY_HEARTBEATS = 3
+
+#: Seconds beyond the TTL after which a follower deletes a record it saw
+#: unchanged (conditionally at that revision) instead of waiting for the
+#: server's ``max_age`` timer, which fires up to ~250 ms late on 2.10+.
+#: The leader already stepped down ``lease_margin`` before the TTL; this only
+#: keeps the follower no earlier than the server could be (docs/design.md).
+FOLLOWER_EXPIRY_MARGIN_SECONDS = 0.01
 
 #: Consecutive health-check failures that make a leader resign.
 DEFAULT_HEALTH_CHECK_FAILURES = 3

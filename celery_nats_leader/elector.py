@@ -20,9 +20,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import nats.errors
-from nats.aio.client import Client
-
 from celery_nats_leader.backend import Backend, Bucket
 from celery_nats_leader.backoff import Backoff
 from celery_nats_leader.clock import Clock
@@ -39,7 +36,7 @@ from celery_nats_leader.election.observer import ElectionObserver
 from celery_nats_leader.election.services import LeaderServiceRunner, ServiceFunction
 from celery_nats_leader.errors import ConfigError, ElectionError, NatsUnavailableError
 from celery_nats_leader.loop_thread import EventLoopThread
-from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, connect
+from celery_nats_leader.nats import ConnectionListener, ConnectOptions, open_backend
 from celery_nats_leader.ops.status import RoleStatus, read_status
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
@@ -239,7 +236,7 @@ class Elector(ConnectionListener):
         self._roles: dict[str, RoleHandle] = {}
         self._lock = threading.Lock()
         self.loop = EventLoopThread(name=f"{name}-loop")
-        self._connection: Client | None = None
+        self._own_backend: Backend | None = None
         self._backend: Backend | None = None
         self._connected = threading.Event()
         self._connector: asyncio.Task[None] | None = None
@@ -393,12 +390,9 @@ class Elector(ConnectionListener):
             if self._backend_factory is not None:
                 self._backend = self._backend_factory()
             else:
-                from celery_nats_leader.nats.jetstream import JetStreamBackend
-
-                self._connection = await connect(
+                self._backend = self._own_backend = await open_backend(
                     self.connect_options, listeners=[self], timeout=timeout, name=self._name
                 )
-                self._backend = JetStreamBackend(self._connection)
         self._connected.set()
         await asyncio.gather(*(self._start_election(h) for h in list(self._roles.values())))
 
@@ -434,16 +428,10 @@ class Elector(ConnectionListener):
         await asyncio.gather(
             *(h.election.stop() for h in list(self._roles.values())), return_exceptions=True
         )
-        if self._connection is not None:
-            try:
-                # close() flushes to the socket and can raise when the server
-                # is already gone; the connection is closed either way.
-                await self._connection.close()
-            except (OSError, nats.errors.Error) as exc:
-                logger.debug("closing the NATS connection: %s", exc)
-            finally:
-                self._connection = None
-                self._backend = None
+        own, self._own_backend = self._own_backend, None
+        if own is not None:
+            self._backend = None
+            await own.close()
 
     def __enter__(self) -> Elector:
         self.start()

@@ -30,17 +30,14 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from nats.aio.client import Client
-
 from celery_nats_leader import constants as c
-from celery_nats_leader.backend import Backend, Subscription
+from celery_nats_leader.backend import Backend, ConnectionListener, Subscription
 from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election.callbacks import CallbackRunner
 from celery_nats_leader.election.health import watch_health
 from celery_nats_leader.election.observer import ElectionObserver, NullObserver
 from celery_nats_leader.errors import ElectionError, ElectionStoppedError
-from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, connect
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
 
@@ -50,6 +47,7 @@ if TYPE_CHECKING:
         LeadingScope,
         ServiceFunction,
     )
+    from celery_nats_leader.nats.connection import ConnectOptions
 
 logger = logging.getLogger(__name__)
 
@@ -133,17 +131,21 @@ class BaseElection(abc.ABC):
 
     Not used directly: see :func:`~celery_nats_leader.election.interface.new_election`.
 
+    The one constructor of every strategy; a strategy sets up its own state
+    in :meth:`_init_state`.
+
     Args:
         config: The role's configuration.
-        connection: A connected nats-py client to use; when ``None`` the
-            election opens (and later closes) its own from ``connect_options``.
-        connect_options: Where to connect when ``connection`` is ``None``.
-        backend: A ready backend (tests use the in-memory one); overrides
-            ``connection``.
+        backend: A ready backend: one shared with other roles (see
+            :func:`celery_nats_leader.nats.open_backend`), or the in-memory
+            one in tests. It is not closed by the election. When ``None``,
+            the election opens its own from ``connect_options`` on
+            :meth:`start` and closes it on :meth:`stop`.
+        connect_options: Where to connect when ``backend`` is ``None``.
         clock: Monotonic clock for this process's own deadlines (injectable
             for tests).
         observer: Receives measurements (metrics).
-        rng: Random source.
+        rng: Random source (jitter, tie-breakers).
 
     """
 
@@ -159,19 +161,17 @@ class BaseElection(abc.ABC):
     def __init__(
         self,
         config: ElectionConfig,
-        connection: Client | None = None,
+        backend: Backend | None = None,
         *,
         connect_options: ConnectOptions | None = None,
-        backend: Backend | None = None,
         clock: Clock | None = None,
         observer: ElectionObserver | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.config = config
-        self._connection = connection
         self._connect_options = connect_options
         self._backend: Backend | None = backend
-        self._own_connection: Client | None = None
+        self._own_backend: Backend | None = None
         self._clock = clock or SYSTEM_CLOCK
         self._observer: ElectionObserver = observer or NullObserver()
         self._rng = rng or random.Random()
@@ -210,6 +210,16 @@ class BaseElection(abc.ABC):
         self._leading: asyncio.Event | None = None
         self._main_task: asyncio.Task[None] | None = None
         self._subscriptions: list[Subscription] = []
+        self._init_state()
+
+    @abc.abstractmethod
+    def _init_state(self) -> None:
+        """Set up the strategy's own state; called at the end of ``__init__``.
+
+        Raises:
+            ConfigError: If the configuration does not suit the strategy.
+
+        """
 
     # ------------------------------------------------------------------ API
 
@@ -505,26 +515,22 @@ class BaseElection(abc.ABC):
     async def _open_backend(self) -> Backend:
         if self._backend is not None:
             return self._backend
-        # Imported here so that the memory backend needs no nats-py connection.
-        from celery_nats_leader.nats.jetstream import JetStreamBackend
+        # Imported here: an election on the in-memory backend never loads nats-py.
+        from celery_nats_leader.nats import open_backend
 
-        connection = self._connection
-        if connection is None:
-            connection = await connect(
-                self._connect_options or ConnectOptions(),
-                name=f"{self._name_prefix}-{self.role}",
-                listeners=[_Waker(self)],
-            )
-            self._own_connection = connection
         # ALLCALL uses only the core-NATS half of this backend: no JetStream call.
-        self._backend = JetStreamBackend(connection)
+        self._backend = self._own_backend = await open_backend(
+            self._connect_options,
+            name=f"{self._name_prefix}-{self.role}",
+            listeners=[_Waker(self)],
+        )
         return self._backend
 
     async def _teardown(self) -> None:
         await self._unsubscribe_all()
         self._stop_health_watch()
         await self._callbacks.stop()
-        await self._close_own_connection()
+        await self._close_own_backend()
         if self._leading is not None:
             self._leading.set()
 
@@ -534,14 +540,14 @@ class BaseElection(abc.ABC):
                 await sub.unsubscribe()
         self._subscriptions.clear()
 
-    async def _close_own_connection(self) -> bool:
-        """Close the connection this election opened, if any; return whether there was one."""
-        if self._own_connection is None:
+    async def _close_own_backend(self) -> bool:
+        """Close the backend this election opened, if any; return whether there was one."""
+        own, self._own_backend = self._own_backend, None
+        if own is None:
             return False
-        # close() flushes to the socket and can raise when the server is gone.
-        with contextlib.suppress(Exception):
-            await self._own_connection.close()
-        self._own_connection = None
+        if self._backend is own:
+            self._backend = None  # a restart after a failed start opens a new one
+        await own.close()
         return True
 
     async def _cancel_main(self) -> None:

@@ -19,8 +19,10 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
+from celery_nats_leader.backend import ConnectionListener
 from celery_nats_leader.constants import DEFAULT_SERVERS
 from celery_nats_leader.errors import ConfigError, NatsUnavailableError
+from celery_nats_leader.nats.jetstream import JetStreamBackend
 
 logger = logging.getLogger(__name__)
 
@@ -104,16 +106,6 @@ class ConnectOptions:
 
 #: Seconds between two warnings about connection errors (the others go to DEBUG).
 _ERROR_REPEAT = 30.0
-
-
-class ConnectionListener:
-    """Receives connection state changes; override what you need."""
-
-    def disconnected(self) -> None:
-        """The connection went down (it will try to reconnect)."""
-
-    def reconnected(self) -> None:
-        """The connection is back."""
 
 
 def _tls_context(value: Any) -> ssl.SSLContext:
@@ -224,4 +216,35 @@ async def connect(
     return nc
 
 
-__all__ = ["ConnectOptions", "ConnectionListener", "connect"]
+async def open_backend(
+    options: ConnectOptions | None = None,
+    *,
+    listeners: Sequence[ConnectionListener] = (),
+    timeout: float = 5.0,
+    name: str | None = None,
+) -> JetStreamBackend:
+    """Connect to NATS and return the election backend on that connection.
+
+    The one door from the package to NATS: the elector, a standalone
+    election, prefork children, the CLI and the Django commands all open
+    their connection here. The backend owns the connection:
+    :meth:`~JetStreamBackend.close` (or ``async with``) closes it.
+
+    Args:
+        options: Servers and extra options; default ``nats://127.0.0.1:4222``.
+        listeners: Told about disconnects and reconnects.
+        timeout: Seconds to wait for the first connection.
+        name: Connection name shown by the server's monitoring.
+
+    Returns:
+        The backend, connected.
+
+    Raises:
+        NatsUnavailableError: No server answered within ``timeout``.
+
+    """
+    nc = await connect(options or ConnectOptions(), listeners=listeners, timeout=timeout, name=name)
+    return JetStreamBackend(nc, owns_connection=True)
+
+
+__all__ = ["ConnectOptions", "ConnectionListener", "connect", "open_backend"]

@@ -16,7 +16,7 @@ import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from celery_nats_leader.backend import KVEntry, MessageHandler, Operation, WatchCallback
+from celery_nats_leader.backend import BucketInfo, KVEntry, MessageHandler, Operation, WatchCallback
 from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
 from celery_nats_leader.errors import (
     BackendTimeoutError,
@@ -128,13 +128,13 @@ class MemoryBucket:
         state = await self._io(timeout)
         return self._store(state, key, value, Operation.PUT)
 
-    async def delete(self, key: str, *, last: int, timeout: float) -> None:
+    async def delete(self, key: str, *, last: int, timeout: float) -> int:
         """Delete only if the latest revision is ``last``."""
         state = await self._io(timeout)
         current = state.keys.get(key)
         if current is None or current.entry.revision != last:
             raise RevisionMismatchError(f"{key!r} is not at revision {last}")
-        self._store(state, key, b"", Operation.DELETE)
+        return self._store(state, key, b"", Operation.DELETE)
 
     async def get(self, key: str, *, timeout: float) -> KVEntry | None:
         """Return the latest value or ``None``."""
@@ -211,6 +211,9 @@ class MemoryBackend:
         if not self.connected:
             raise NotConnectedError("memory backend disconnected")
 
+    async def close(self) -> None:
+        """Nothing to close: the simulated connection belongs to the test."""
+
     async def open_bucket(
         self,
         name: str,
@@ -239,6 +242,22 @@ class MemoryBackend:
         if ttl is not None and abs(state.ttl - ttl) > 0.001:
             raise BucketConfigError(f"KV bucket {name!r} has max_age={state.ttl:g}s, not {ttl:g}s")
         return MemoryBucket(self, name)
+
+    async def bucket_info(self, name: str, *, timeout: float) -> BucketInfo:
+        """The bucket's settings (history 1, one replica, memory storage)."""
+        self.require_connected()
+        state = self.server.buckets.get(name)
+        if state is None:
+            raise BucketNotFoundError(f"KV bucket {name!r} does not exist")
+        self.server.expire(state)
+        return BucketInfo(
+            name=name, ttl=state.ttl, history=1, replicas=1, storage="memory", keys=len(state.keys)
+        )
+
+    async def delete_bucket(self, name: str, *, timeout: float) -> bool:
+        """Drop the bucket; ``False`` when there was none."""
+        self.require_connected()
+        return self.server.buckets.pop(name, None) is not None
 
     async def subscribe(self, subject: str, handler: MessageHandler) -> _MemorySubscription:
         """Deliver messages on ``subject`` (``*``/``>`` wildcards) to ``handler``."""

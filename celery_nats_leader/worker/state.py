@@ -21,8 +21,8 @@ never trusts a torn read: it retries, and after a bounded number of attempts
 it fails closed ("not leader").
 
 ``validate=True`` needs a KV read. In a child it goes through a
-:class:`ChildValidator`: one lazily created event-loop thread and NATS
-connection per child process, reused for the child's life.
+:class:`~celery_nats_leader.term.TermReader`: one lazily created event-loop
+thread and NATS connection per child process, reused for the child's life.
 """
 
 from __future__ import annotations
@@ -38,12 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from celery_nats_leader.backend import Bucket
-from celery_nats_leader.errors import ElectionError, RecordFormatError
-from celery_nats_leader.loop_thread import EventLoopThread
-from celery_nats_leader.nats.connection import ConnectOptions, connect
-from celery_nats_leader.nats.jetstream import JetStreamBackend
-from celery_nats_leader.record import decode_record
+from celery_nats_leader.nats import ConnectOptions
+from celery_nats_leader.term import TermReader
 from celery_nats_leader.token import FencingToken
 
 logger = logging.getLogger(__name__)
@@ -291,8 +287,8 @@ class WorkerLeadership:
         self.connection = connection
         self.request_timeouts = dict(request_timeouts)
         self.main_pid = os.getpid()
-        self._validator: ChildValidator | None = None
-        self._validator_lock = threading.Lock()
+        self._reader: TermReader | None = None
+        self._reader_lock = threading.Lock()
 
     @property
     def in_main_process(self) -> bool:
@@ -327,7 +323,7 @@ class WorkerLeadership:
         if self.in_main_process:
             return self.local.validate(role, token, timeout)
         limit = timeout if timeout is not None else 2 * self.request_timeouts.get(role, 1.0)
-        ok = self._child_validator().validate(role, token, self.instance_id, limit)
+        ok = self._term_reader().holds(role, token, self.instance_id, timeout=limit)
         self.shared.count_validation(role, ok)
         if ok:
             # The parent may have been demoted while we read: re-check the slot.
@@ -339,66 +335,15 @@ class WorkerLeadership:
             self.shared.request_validation(role)
         return ok
 
-    def _child_validator(self) -> ChildValidator:
-        with self._validator_lock:
-            validator = self._validator
-            if validator is None or validator.pid != os.getpid():
+    def _term_reader(self) -> TermReader:
+        with self._reader_lock:
+            reader = self._reader
+            if reader is None or reader.pid != os.getpid():
                 # First use in this child (or inherited from the parent over
                 # fork, where its thread does not exist): build our own.
-                validator = ChildValidator(self.connection, self.bucket)
-                self._validator = validator
-            return validator
-
-
-class ChildValidator:
-    """One NATS connection and loop thread per pool child, for ``validate=True``.
-
-    Created lazily on the first validation in the child and reused for its
-    whole life (never ``asyncio.run`` per call: that would reconnect every time).
-
-    Args:
-        connection: Where and how to connect.
-        bucket: The KV bucket.
-
-    """
-
-    def __init__(self, connection: ConnectOptions, bucket: str) -> None:
-        self.pid = os.getpid()
-        self._connection = connection
-        self._bucket_name = bucket
-        self._loop = EventLoopThread(name="nats-leader-validator")
-        self._bucket: Bucket | None = None
-
-    def validate(self, role: str, token: FencingToken, instance_id: str, timeout: float) -> bool:
-        """Read ``role``'s key and compare it with ``token``; ``False`` on any doubt."""
-        self._loop.start()
-        try:
-            return self._loop.run(self._validate(role, token, instance_id, timeout), timeout)
-        except (TimeoutError, RuntimeError, ElectionError) as exc:
-            logger.warning("could not validate the token of %r: %s", role, exc)
-            return False
-
-    async def _validate(
-        self, role: str, token: FencingToken, instance_id: str, timeout: float
-    ) -> bool:
-        bucket = self._bucket
-        if bucket is None:
-            nc = await connect(self._connection, timeout=timeout, name="celery-nats-leader-child")
-            backend = JetStreamBackend(nc)
-            bucket = await backend.open_bucket(
-                self._bucket_name, ttl=None, create=False, replicas=1, timeout=timeout
-            )
-            self._bucket = bucket
-        entry = await bucket.get(role, timeout=timeout)
-        if entry is None:
-            return False
-        try:
-            record = decode_record(entry.value, entry.revision)
-        except RecordFormatError:
-            return False
-        return (
-            record.id == instance_id and record.token == token.value and record.epoch == token.epoch
-        )
+                reader = TermReader(self.connection, self.bucket, name="celery-nats-leader-child")
+                self._reader = reader
+            return reader
 
 
 class _Process:

@@ -124,7 +124,7 @@ def test_prefetched_messages_survive_demotion(cluster_factory: Any, broker: Brok
 
     result = run_cli(cluster, "resign", cluster.role)
     assert result.returncode == 0, result.stderr
-    assert "stepping down" in result.stdout
+    assert f"stepped down from role {cluster.role!r}" in result.stdout
     cluster.wait_leader(exclude=(first,))
     hold.touch()
     wait_for(lambda: ledger.committed() == total, 120, "every task committed", cluster.diagnostics)
