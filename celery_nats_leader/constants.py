@@ -22,6 +22,10 @@ DEFAULT_TTL_SECONDS = 10.0
 #: The heartbeat is ``ttl / HEARTBEATS_PER_TTL`` unless configured.
 HEARTBEATS_PER_TTL = 4
 
+#: The shortest disconnect grace, in heartbeats (also its default): a leader
+#: rides out a reconnect that costs it one renewal.
+MIN_DISCONNECT_GRACE_HEARTBEATS = 2
+
 #: ``ttl`` must be at least this many heartbeats, so that one or two lost
 #: renewals do not cost the role.
 MIN_HEARTBEATS_PER_TTL = 3
@@ -77,7 +81,8 @@ BACKOFF_MULTIPLIER = 2.0
 BACKOFF_JITTER = 0.1
 
 #: Consecutive transient failures that open the circuit breaker, and how long
-#: an open circuit waits (as a multiple of the TTL, capped) before trying again.
+#: an open circuit waits (as a multiple of the TTL, capped; never less than
+#: BACKOFF_MAX_SECONDS) before trying again.
 CIRCUIT_BREAKER_THRESHOLD = 10
 CIRCUIT_BREAKER_COOLDOWN_TTLS = 1.0
 CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS = 30.0

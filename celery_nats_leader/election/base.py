@@ -37,7 +37,7 @@ from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election.callbacks import CallbackRunner
 from celery_nats_leader.election.health import watch_health
 from celery_nats_leader.election.observer import ElectionObserver, NullObserver
-from celery_nats_leader.errors import ElectionError, ElectionStoppedError
+from celery_nats_leader.errors import ConfigError, ElectionError, ElectionStoppedError
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
 
@@ -157,6 +157,8 @@ class BaseElection(abc.ABC):
     #: Errors after which retrying cannot help: the main loop stops with them
     #: as :attr:`error`, without the "loop crashed" traceback.
     _permanent_errors: ClassVar[tuple[type[ElectionError], ...]] = ()
+    #: The ``ElectionConfig.strategy`` this class implements (``None``: any).
+    _strategy: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -168,6 +170,15 @@ class BaseElection(abc.ABC):
         observer: ElectionObserver | None = None,
         rng: random.Random | None = None,
     ) -> None:
+        if self._strategy is not None and config.strategy != self._strategy:
+            # Running one algorithm on a config that asks for another would be
+            # a silent surprise: refuse and say how.
+            raise ConfigError(
+                f"{type(self).__name__} is the {self._strategy.upper()} strategy, but the config "
+                f"has strategy={config.strategy!r}; build the election with "
+                "celery_nats_leader.new_election(config), which returns the class of "
+                "config.strategy"
+            )
         self.config = config
         self._connect_options = connect_options
         self._backend: Backend | None = backend

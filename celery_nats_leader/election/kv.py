@@ -45,7 +45,6 @@ from celery_nats_leader.errors import (
     BackendTimeoutError,
     BucketConfigError,
     BucketNotFoundError,
-    ConfigError,
     ElectionError,
     JetStreamUnavailableError,
     KeyExistsError,
@@ -83,17 +82,9 @@ class Election(BaseElection):
     _logger = logger
     _name_prefix = "election"
     _permanent_errors = PERMANENT_ERRORS
+    _strategy = "kv"
 
     def _init_state(self) -> None:
-        if self.config.strategy != "kv":
-            # Running the KV algorithm on a config that asks for another
-            # strategy would be a silent surprise: refuse and say how.
-            raise ConfigError(
-                f"Election is the KV strategy, but the config has "
-                f"strategy={self.config.strategy!r}; build the election with "
-                "celery_nats_leader.new_election(config), which returns the class of "
-                "config.strategy"
-            )
         self._bucket: Bucket | None = None
 
         # Leader side.
@@ -478,7 +469,9 @@ class Election(BaseElection):
         except ElectionError as exc:
             logger.debug("%s: resync read failed: %s", self.role, exc)
             return
-        self._backoff.success()
+        # A successful read says nothing about writes: with JetStream out of
+        # storage reads succeed while every create fails. Only a write's
+        # answer resets the backoff, or the breaker would never open.
         if entry is None and self._view.present:
             # Gone without an event: expired. Campaign now (after jitter).
             self._observe(None, authoritative=True)
@@ -534,6 +527,23 @@ class Election(BaseElection):
             logger.debug("%s: campaign failed: %s", self.role, exc)
             self._set_state(ElectionState.FOLLOWER)
             self._retry_later()
+            return
+        if self._view.revision > revision:
+            # The key changed after our create, before its acknowledgement
+            # reached us: our record is already overwritten. A clustered
+            # nats-server before 2.9.21 can accept two concurrent creates
+            # (nats-server#4320); the later one holds the key, so we lost.
+            logger.warning(
+                "%s: created the key at revision %d, but revision %d is already newer; "
+                "following (a clustered nats-server < 2.9.21 accepts concurrent creates)",
+                self.role,
+                revision,
+                self._view.revision,
+            )
+            self._observer.campaign(self.role, self.instance_id, False)
+            self._set_state(ElectionState.FOLLOWER)
+            if self._decided is not None:
+                self._decided.set()
             return
         self._observer.campaign(self.role, self.instance_id, True)
         self._win(FencingToken(revision, token_value), revision, send)

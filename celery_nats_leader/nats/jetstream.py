@@ -269,7 +269,16 @@ class JetStreamBucket:
             try:
                 async for update in watcher:
                     if update is None:
-                        break
+                        # nats-py sends its "nothing (more) to deliver" marker
+                        # when the consumer reports nothing pending and no
+                        # message was parsed yet. Under load the server may have
+                        # sent every message already while none was parsed: the
+                        # marker then comes first and a full bucket would look
+                        # empty (a status page showing "no leader"). Only the
+                        # server's delivered count tells the two apart.
+                        if await self._nothing_delivered(watcher):
+                            break
+                        continue  # the messages are on their way; the last has delta 0
                     if update.operation is None:
                         found.append(
                             KVEntry(
@@ -286,6 +295,15 @@ class JetStreamBucket:
             return found
 
         return await self._backend.call(collect(), timeout=timeout, bucket=self.name)
+
+    @staticmethod
+    async def _nothing_delivered(watcher: KeyValue.KeyWatcher) -> bool:
+        """Whether the server delivered no message at all to ``watcher`` (an empty bucket)."""
+        subscription = watcher._sub
+        if subscription is None:
+            return True
+        info = await subscription.consumer_info()
+        return not info.num_pending and not info.delivered.consumer_seq
 
     async def ttl(self, *, timeout: float) -> float:
         """Return the bucket's ``max_age`` in seconds."""

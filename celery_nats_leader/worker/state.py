@@ -27,14 +27,18 @@ thread and NATS connection per child process, reused for the child's life.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import mmap
 import os
 import struct
+import tempfile
 import threading
 import time
+import weakref
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -104,6 +108,15 @@ class SharedLeadership:
         # An anonymous MAP_SHARED mapping: children forked after this point
         # see the parent's writes (and the parent sees their counters).
         self._mm = mmap.mmap(-1, max(1, len(roles)) * _SLOT_SIZE)
+        # The children's counters have many writers. A POSIX record lock on
+        # an (unlinked) file inherited over fork serializes them, and the
+        # kernel releases it when its holder dies: a child killed mid-count
+        # cannot wedge its siblings. It does not exclude threads of one
+        # process, hence the thread lock too.
+        self._counter_fd, path = tempfile.mkstemp(prefix="nats-leader-counters-")
+        os.unlink(path)
+        weakref.finalize(self, os.close, self._counter_fd)
+        self._counter_thread_lock = threading.Lock()
         self.clear_all()  # valid, checksummed "not leading" slots
 
     def index(self, role: str) -> int | None:
@@ -176,28 +189,41 @@ class SharedLeadership:
 
     # ------------------------------------------------------------- counters
 
-    def count_validation(self, role: str, ok: bool) -> None:
-        """Count a validation done in a child (metrics; approximate under contention).
+    @contextlib.contextmanager
+    def _counters_locked(self, slot: int) -> Iterator[None]:
+        fd = self._counter_fd
+        with self._counter_thread_lock:
+            fcntl.lockf(fd, fcntl.LOCK_EX, 1, slot)
+            try:
+                yield
+            finally:
+                fcntl.lockf(fd, fcntl.LOCK_UN, 1, slot)
 
-        Several children may increment at once and lose an increment; these
-        counters only feed metrics, never a decision.
+    def count_validation(self, role: str, ok: bool) -> None:
+        """Count a validation done in a child (metrics).
+
+        Children of one worker count at the same time: the increments are
+        serialized, so none is lost (the metrics would undercount).
         """
         i = self._index.get(role)
         if i is None:
             return
         offsets = [_VALIDATIONS_OFFSET] if ok else [_VALIDATIONS_OFFSET, _FAILURES_OFFSET]
-        for offset in offsets:
-            off = i * _SLOT_SIZE + offset
-            (count,) = _SEQ.unpack_from(self._mm, off)
-            _SEQ.pack_into(self._mm, off, count + 1)
+        with self._counters_locked(i):
+            for offset in offsets:
+                off = i * _SLOT_SIZE + offset
+                (count,) = _SEQ.unpack_from(self._mm, off)
+                _SEQ.pack_into(self._mm, off, count + 1)
 
     def validation_counts(self, role: str) -> tuple[int, int]:
         """Validations done and failed in children so far: ``(done, failed)``."""
         i = self._index.get(role)
         if i is None:
             return (0, 0)
-        (done,) = _SEQ.unpack_from(self._mm, i * _SLOT_SIZE + _VALIDATIONS_OFFSET)
-        (failed,) = _SEQ.unpack_from(self._mm, i * _SLOT_SIZE + _FAILURES_OFFSET)
+        # Both read at one instant: a failure is never seen before its validation.
+        with self._counters_locked(i):
+            (done,) = _SEQ.unpack_from(self._mm, i * _SLOT_SIZE + _VALIDATIONS_OFFSET)
+            (failed,) = _SEQ.unpack_from(self._mm, i * _SLOT_SIZE + _FAILURES_OFFSET)
         return (int(done), int(failed))
 
     def request_validation(self, role: str) -> None:

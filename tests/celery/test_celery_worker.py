@@ -113,7 +113,19 @@ def test_metrics_endpoint(cluster_factory: Any) -> None:
         validations = _sample(text, "nats_leader_token_validations_total", role=role)
         return text if heartbeats and heartbeats >= 2 and validations and validations >= 3 else None
 
-    text = wait_for(leader_metrics, 30, "renewals and validations in the metrics")
+    def both_workers() -> str:
+        lines = []
+        for name, port in (("w1", leader_port), ("w2", follower_port)):
+            lines += [
+                f"{name}: {line}"
+                for line in _scrape(port).splitlines()
+                if line.startswith("nats_leader_") and "_bucket{" not in line
+            ]
+        return "\n".join(lines)
+
+    text = wait_for(
+        leader_metrics, 30, "renewals and validations in the metrics", diagnostics=both_workers
+    )
     assert _sample(text, "nats_leader_is_leader", role=role) == 1.0
     assert _sample(text, "nats_leader_campaigns_total", role=role, outcome="won") == 1.0
     assert _sample(text, "nats_leader_transitions_total", role=role, to_state="leader") == 1.0
