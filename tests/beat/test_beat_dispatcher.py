@@ -14,10 +14,10 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from celery_nats_leader.backend.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.beat.dispatcher import Outcome, Tick, TickDispatcher
 from celery_nats_leader.beat.state import EntryState, ScheduleStateStore
 from celery_nats_leader.elector import Elector
+from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.token import FencingToken
 
 UTC = timezone.utc

@@ -22,13 +22,7 @@ import pytest
 from celery import Celery
 from celery.schedules import crontab, schedule
 
-from celery_nats_leader.backend.base import KVEntry
-from celery_nats_leader.backend.memory import (
-    MemoryBackend,
-    MemoryServer,
-    _MemoryBucketState,
-    _Stored,
-)
+from celery_nats_leader.backend import KVEntry
 from celery_nats_leader.beat import (
     ENTRY_HEADER,
     RUN_HEADER,
@@ -47,6 +41,12 @@ from celery_nats_leader.errors import (
     BucketNotFoundError,
     ConfigError,
     NatsUnavailableError,
+)
+from celery_nats_leader.nats.memory import (
+    MemoryBackend,
+    MemoryServer,
+    _MemoryBucketState,
+    _Stored,
 )
 from celery_nats_leader.record import encode_record
 from celery_nats_leader.settings import LeaderSettings
