@@ -94,7 +94,7 @@ def measure(scheduler: Any, ticks: int, rows: list[tuple[str, str]], label: str)
     steady = [cpu_ms(scheduler.tick) for _ in range(ticks)]
     asked = []
     for _ in range(ticks):
-        scheduler._holds.clear()  # no cached is_due() answers: every entry asked
+        scheduler.nats_leader_agenda.clear()  # no cached is_due() answers: every entry asked
         asked.append(cpu_ms(scheduler.tick))
     rows.append((f"{label}: every entry's is_due() asked", summary(asked)))
     rows.append((f"{label}: steady (nothing due)", summary(steady)))

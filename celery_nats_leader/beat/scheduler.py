@@ -28,6 +28,7 @@ from celery.schedules import crontab
 from celery.schedules import schedule as celery_schedule
 from kombu.exceptions import OperationalError, SerializationError
 
+from celery_nats_leader.beat.agenda import Agenda
 from celery_nats_leader.beat.dispatcher import Outcome, Tick, TickDispatcher
 from celery_nats_leader.beat.election import SCHEDULER_META_KEY, BeatElection
 from celery_nats_leader.beat.fence import (
@@ -166,8 +167,8 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         self._closed = False
         self._unsynced = 0
         self._sending = False
-        self._holds: dict[str, _Hold] = {}
-        self._backoff: dict[str, tuple[int, float]] = {}
+        #: When to ask each entry again (holds and backoffs).
+        self.nats_leader_agenda = Agenda(self.same_entry)
         super().__init__(app, *args, **kwargs)
 
     # ------------------------------------------------------------ queries
@@ -447,7 +448,7 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
                     continue
             # As Celery's heap: times on the entry's own clock (its schedule's now).
             now = _timestamp(entry.default_now())
-            held = self._held_for(name, entry, state, now)
+            held = self.nats_leader_agenda.held_for(name, entry, state.revision, now)
             if held is not None:
                 wake = min(wake, held)
                 continue
@@ -465,23 +466,6 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         if best is None:
             return max(0.0, min(wake, max_interval))
         return self._dispatch(handle, token, dispatcher, best)
-
-    def _held_for(self, name: str, entry: Any, state: EntryState, now: float) -> float | None:
-        """Seconds this entry is still held (not due, or backing off), else ``None``."""
-        backoff = self._backoff.get(name)
-        if backoff is not None and backoff[1] > now:
-            return backoff[1] - now
-        hold = self._holds.get(name)
-        if (
-            hold is None
-            or hold.revision != state.revision
-            or not self.same_entry(hold.entry, entry)
-        ):
-            # The entry (a schedule edited in the database) or its state changed.
-            return None
-        if hold.until <= now:
-            return None
-        return hold.until - now
 
     def _due(self, name: str, entry: Any, state: EntryState, now_ts: float) -> _Due | float:
         """The entry's due tick, or seconds before asking its schedule again.
@@ -505,9 +489,9 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         if not due:
             wait = float(next_check) if is_numeric(next_check) else max_interval
             wait = min(max(wait, 0.0), max_interval)
-            self._holds[name] = _Hold(entry, state.revision, now_ts + wait)
+            self.nats_leader_agenda.hold(name, entry, state.revision, now_ts + wait)
             return wait
-        self._holds.pop(name, None)
+        self.nats_leader_agenda.release(name)
         try:
             now = entry.default_now()
             plan = self._plan(name, entry, state, now)
@@ -517,7 +501,7 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
                 name,
                 max_interval,
             )
-            self._holds[name] = _Hold(entry, state.revision, now_ts + max_interval)
+            self.nats_leader_agenda.hold(name, entry, state.revision, now_ts + max_interval)
             return max_interval
         if plan is not None and plan.due and plan.slot is not None:
             return _Due(plan.slot, name, entry, state, plan.skipped)
@@ -590,9 +574,12 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             metrics.add(name, "lost")
         if outcome is Outcome.REVERTED and result.error is not None:
             # A failed send: this entry backs off, the others go on.
-            failures = self._backoff.get(name, (0, 0.0))[0] + 1
-            delay = min(float(self.max_interval), self._retry_delay() * 2 ** (failures - 1))
-            self._backoff[name] = (failures, _timestamp(entry.default_now()) + delay)
+            self.nats_leader_agenda.back_off(
+                name,
+                _timestamp(entry.default_now()),
+                first=self._retry_delay(),
+                cap=float(self.max_interval),
+            )
             return 0.0
         if outcome in (Outcome.UNCONFIRMED, Outcome.NOT_COMMITTED, Outcome.REVERTED):
             return self._retry_delay() if handle.is_leader else 0.0
@@ -600,7 +587,7 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             return self._retry_delay()
         if outcome not in (Outcome.SENT, Outcome.FAILED):
             return 0.0
-        self._backoff.pop(name, None)
+        self.nats_leader_agenda.succeeded(name)
         committed = result.state
         assert committed is not None
         if outcome is Outcome.SENT:
@@ -670,18 +657,6 @@ class _Due:
     entry: Any
     state: EntryState
     skipped: int
-
-
-@dataclass(frozen=True)
-class _Hold:
-    """An entry not due until ``until`` (a timestamp on the entry's clock).
-
-    Valid while the entry and its state's revision are unchanged.
-    """
-
-    entry: Any
-    revision: int
-    until: float
 
 
 _ONE_MICROSECOND = timedelta(microseconds=1)
