@@ -149,6 +149,7 @@ def test_the_parts_without_celery_import_without_it() -> None:
         "import celery_nats_leader.beat\n"
         "import celery_nats_leader.beat.dispatcher, celery_nats_leader.beat.election\n"
         "import celery_nats_leader.beat.state, celery_nats_leader.beat.ticks\n"
+        "import celery_nats_leader.beat.agenda, celery_nats_leader.beat.metrics\n"
         "assert celery_nats_leader.beat.tick_task_id('b', 'r', 'e', 't')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
