@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -37,6 +38,7 @@ from celery_nats_leader.beat import (
     FencedBeatTask,
     check_dispatch_token,
 )
+from celery_nats_leader.once_celery import OnceTask
 from celery_nats_leader.testing import kombu_fs
 
 # kombu's filesystem transport writes a message file non-atomically: a polling
@@ -161,6 +163,32 @@ def make_app(config: dict[str, Any]) -> Celery:
     @app.task(bind=True, base=RecordingFencedTask, name="cnl_beat.fenced")
     def fenced(self: Any, *args: Any, **kwargs: Any) -> None:
         _record(ledger, self)
+
+    @app.task(bind=True, base=OnceTask, name="cnl_beat.once")
+    def once(self: Any, *args: Any, **kwargs: Any) -> None:
+        _record(ledger, self)
+
+    @app.task(
+        bind=True,
+        base=OnceTask,
+        name="cnl_beat.once_hold",
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )
+    def once_hold(self: Any, hold: str) -> None:
+        # Records its start, holds while the file ``hold`` exists (the test
+        # kills the process meanwhile), then records its end.
+        ledger.run(task="once_hold:start", task_id=self.request.id)
+        while os.path.exists(hold):
+            time.sleep(0.02)
+        ledger.run(task="once_hold:end", task_id=self.request.id)
+
+    @app.task(bind=True, name="cnl_beat.plain_hold", acks_late=True, reject_on_worker_lost=True)
+    def plain_hold(self: Any, hold: str) -> None:
+        ledger.run(task="plain_hold:start", task_id=self.request.id)
+        while os.path.exists(hold):
+            time.sleep(0.02)
+        ledger.run(task="plain_hold:end", task_id=self.request.id)
 
     app.cnl_ledger = ledger  # type: ignore[attr-defined]
     return app
