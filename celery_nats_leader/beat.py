@@ -14,20 +14,25 @@ Each dispatch, by the leader only:
 1. **confirms the fencing token against KV** (one read of the role's key); on
    a mismatch it dispatches nothing and the election demotes it;
 2. **commits the tick** to the entry's state in KV with a compare-and-set on
-   the key's revision. A tick is identified by its *slot*, the time the
-   schedule says it is due (:mod:`celery_nats_leader.beat_ticks`), so two
-   schedulers that both believe they lead cannot both commit the same tick,
-   and a new leader continues from the last committed slot: nothing twice,
-   nothing skipped;
+   the key's revision, marked *pending* (the intent, recorded before the
+   send). A tick is identified by its *slot*, the time the schedule says it
+   is due (:mod:`celery_nats_leader.beat_ticks`), so two schedulers that
+   both believe they lead cannot both commit the same tick, and a new leader
+   continues from the last committed slot: nothing twice, nothing skipped;
 3. **sends the task** with the token, role, entry, slot and run number in its
    headers (``nats_leader_*``) and a task id derived from the tick, unless
    the lease ended meanwhile, in which case the commit is reverted so that the
-   successor dispatches the tick.
+   successor dispatches the tick;
+4. **records the send** (the state is no longer pending): the outbox's
+   completion.
 
-Delivery is **at most once per tick** (commit, then send): a crash between the
-commit and the send loses that one tick (the commit log line names it); every
-other failure either dispatches the tick exactly once or leaves it to the next
-attempt. See the README's celery beat section.
+A scheduler that finds an entry's state pending (its predecessor died between
+the commit and the record) sends that tick again, under the same
+deterministic task id, before any later tick of the entry. Delivery is
+therefore **at least once per tick**, and a tick is sent twice only when a
+scheduler dies after sending it and before recording it; the worker-side
+once-guard (:class:`~celery_nats_leader.once_celery.OnceTask`) runs each task
+id once, so ticks of guarded tasks execute exactly once. See ``docs/beat.md``.
 
 Workers can opt in to rejecting tasks sent under an ended term: use
 :class:`FencedBeatTask` as the task base, or call :func:`enforce_dispatch_token`
@@ -220,6 +225,9 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         self._nl_next_warning = 0.0
         self._nl_connected_since: float | None = None
         self._nl_broken: dict[str, float] = {}
+        # Entry name -> commit id of the pending state whose tick this
+        # scheduler sent itself (its send is known even if unrecorded).
+        self._nl_sent: dict[str, str] = {}
         super().__init__(app, *args, **kwargs)
 
     # ------------------------------------------------------------ queries
@@ -563,6 +571,11 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
                 if state is None:
                     wake = min(wake, self._nl_retry_delay())
                     continue
+            if state.pending and self._nl_sent.get(name) != state.commit:
+                # The outbox: committed by an earlier scheduler, maybe never
+                # sent. Send it again, before any later tick of the entry.
+                resend = _Due(state.slot, name, entry, state, TickPlan(state.slot, True, 0.0))
+                return self._nl_dispatch(handle, token, resend, resend=True)
             plan = self._nl_plan(name, entry, state)
             if plan is None:
                 continue
@@ -655,8 +668,16 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             logger.warning("nats-leader beat: could not read the state of %r: %s", name, exc)
             return None
 
-    def _nl_dispatch(self, handle: RoleHandle, token: FencingToken, due: _Due) -> float:
-        """Validate, commit, send one tick. Returns the delay before the next pass."""
+    def _nl_dispatch(
+        self, handle: RoleHandle, token: FencingToken, due: _Due, *, resend: bool = False
+    ) -> float:
+        """Validate, commit, send, record one tick. Returns the delay before the next pass.
+
+        With ``resend``, ``due`` is the entry's pending tick (committed by an
+        earlier term, maybe not sent): it is committed again under this term
+        (same slot and run number) before it is sent, so that of two
+        schedulers believing they lead only one sends it.
+        """
         store = self._nl_store
         assert store is not None
         name, entry, state, plan = due.name, due.entry, due.state, due.plan
@@ -680,11 +701,28 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
                 token.epoch,
             )
             return 0.0
-        # 2. Commit the tick: compare-and-set on the entry's revision.
-        new = dataclasses.replace(
-            state.advanced(due.slot, epoch=token.epoch, by=self.instance_id, skipped=plan.skipped),
-            task=str(entry.task),
-        )
+        # 2. Commit the tick (compare-and-set on the entry's revision), marked
+        #    pending: the intent, recorded before the send.
+        if resend:
+            new = dataclasses.replace(
+                state, epoch=token.epoch, by=self.instance_id, commit=uuid.uuid4().hex[:12]
+            )
+            logger.warning(
+                "nats-leader beat: tick %s of %r was committed by %s (epoch %d) and maybe never "
+                "sent; sending it again under the same task id",
+                slot_text(state.slot),
+                name,
+                state.by,
+                state.epoch,
+            )
+        else:
+            new = dataclasses.replace(
+                state.advanced(
+                    due.slot, epoch=token.epoch, by=self.instance_id, skipped=plan.skipped
+                ),
+                task=str(entry.task),
+                pending=True,
+            )
         try:
             committed = store.update(new, last=state.revision)
         except RevisionMismatchError:
@@ -722,6 +760,9 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
                 )
                 self._nl_revert(committed, state, token, "the send failed")
                 return retry
+        # 4. Record the send (the outbox's completion).
+        self._nl_sent[name] = committed.commit
+        committed = self._nl_record_sent(committed)
         self._nl_states[name] = committed
         if plan.skipped:
             logger.warning(
@@ -776,6 +817,28 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             token.epoch,
             getattr(result, "id", options["task_id"]),
         )
+
+    def _nl_record_sent(self, committed: EntryState) -> EntryState:
+        """Mark a sent tick's state as sent (one write); on failure it stays pending.
+
+        A pending state this scheduler sent is never sent again by it (it
+        remembers the commit id); the next tick's commit replaces it. Only a
+        successor that finds it pending sends it again, which the worker-side
+        once-guard makes harmless.
+        """
+        store = self._nl_store
+        assert store is not None
+        try:
+            return store.update(committed.sent(), last=committed.revision)
+        except ElectionError as exc:
+            logger.warning(
+                "nats-leader beat: tick %s of %r was sent but the send could not be recorded "
+                "(%s); a successor may send it again (same task id)",
+                slot_text(committed.slot),
+                committed.entry,
+                exc,
+            )
+            return committed
 
     def _nl_conflict(self, handle: RoleHandle, token: FencingToken, name: str) -> float:
         """Someone wrote the entry's state since we read it: re-read, send nothing."""

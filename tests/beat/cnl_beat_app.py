@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -101,6 +103,56 @@ def _record(ledger: BeatLedger, task: Any) -> None:
     )
 
 
+def _stop_here(folder: str, point: str) -> None:
+    """Stop this process (SIGSTOP) if the test asked for a stop at ``point``.
+
+    The test creates the file ``<folder>/<point>``; the first process to
+    reach the point claims it by renaming it to ``<point>.<pid>`` (atomic, so
+    one process stops per request) and stops itself there, for the test to
+    SIGKILL it: a crash at exactly that point of the dispatch.
+    """
+    try:
+        os.rename(os.path.join(folder, point), os.path.join(folder, f"{point}.{os.getpid()}"))
+    except FileNotFoundError:
+        return
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def install_kill_points(folder: str) -> None:
+    """Points of the dispatch where a ``celery beat`` process can be stopped and killed.
+
+    ``before_commit`` (the token is confirmed, the tick not committed yet),
+    ``before_publish`` (committed, not sent: Celery's ``before_task_publish``),
+    ``after_publish`` (sent, the send not recorded yet: ``after_task_publish``)
+    and ``after_record`` (the send is recorded).
+    """
+    from celery.signals import after_task_publish, before_task_publish
+
+    from celery_nats_leader.beat_state import ScheduleStateStore
+
+    def before(headers: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if headers and headers.get(TICK_HEADER):
+            _stop_here(folder, "before_publish")
+
+    def after(headers: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if headers and headers.get(TICK_HEADER):
+            _stop_here(folder, "after_publish")
+
+    before_task_publish.connect(before, weak=False)
+    after_task_publish.connect(after, weak=False)
+    update = ScheduleStateStore.update
+
+    def patched(self: ScheduleStateStore, state: Any, *, last: int) -> Any:
+        if state.pending:
+            _stop_here(folder, "before_commit")
+        written = update(self, state, last=last)
+        if not state.pending:
+            _stop_here(folder, "after_record")
+        return written
+
+    ScheduleStateStore.update = patched  # type: ignore[method-assign]
+
+
 def make_app(config: dict[str, Any]) -> Celery:
     _FAST.update(t0=config.get("t0", 0.0), speed=config.get("speed", 60))
     if config.get("django"):
@@ -138,6 +190,8 @@ def make_app(config: dict[str, Any]) -> Celery:
             config.get("entries", []), "cnl_beat.record", config["queue"]
         )
     ledger = BeatLedger(config["ledger"])
+    if config.get("kill_points") and "beat" in sys.argv:
+        install_kill_points(config["kill_points"])
 
     @app.task(bind=True, name="cnl_beat.record")
     def record(self: Any, *args: Any, **kwargs: Any) -> None:
