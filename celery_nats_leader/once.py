@@ -29,7 +29,7 @@ Choose the lease longer than any pause you expect (the default is 30 s);
 a longer lease only delays the re-run of a run whose worker died.
 
 This module imports neither Celery nor Django; the Celery wiring is
-:mod:`celery_nats_leader.once_celery`.
+:mod:`celery_nats_leader.worker.once`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from celery_nats_leader.backend.base import Bucket
+from celery_nats_leader.backend import Bucket
 from celery_nats_leader.errors import (
     BackendTimeoutError,
     ElectionError,

@@ -40,8 +40,8 @@ from celery_nats_leader.beat import (
     FencedBeatTask,
     check_dispatch_token,
 )
-from celery_nats_leader.once_celery import OnceTask
 from celery_nats_leader.testing import kombu_fs
+from celery_nats_leader.worker.once import OnceTask
 
 # kombu's filesystem transport writes a message file non-atomically: a polling
 # consumer can read it empty and die. Tests use the atomic variant.
@@ -128,7 +128,7 @@ def install_kill_points(folder: str) -> None:
     """
     from celery.signals import after_task_publish, before_task_publish
 
-    from celery_nats_leader.beat_state import ScheduleStateStore
+    from celery_nats_leader.beat.state import ScheduleStateStore
 
     def before(headers: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if headers and headers.get(TICK_HEADER):
@@ -193,11 +193,18 @@ def make_app(config: dict[str, Any]) -> Celery:
     if config.get("kill_points") and "beat" in sys.argv:
         install_kill_points(config["kill_points"])
 
-    @app.task(bind=True, name="cnl_beat.record")
+    # The beat tests' tasks use the once-guard, as the documentation
+    # recommends: the outbox sends a tick again when a scheduler died after
+    # sending it and before recording the send.
+    @app.task(bind=True, base=OnceTask, name="cnl_beat.record")
     def record(self: Any, *args: Any, **kwargs: Any) -> None:
         _record(ledger, self)
 
-    class RecordingFencedTask(FencedBeatTask):  # type: ignore[misc]
+    @app.task(bind=True, name="cnl_beat.plain")
+    def plain(self: Any, *args: Any, **kwargs: Any) -> None:
+        _record(ledger, self)
+
+    class RecordingFencedTask(FencedBeatTask, OnceTask):  # type: ignore[misc]
         def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
             try:
                 super().before_start(task_id, args, kwargs)

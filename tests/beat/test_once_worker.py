@@ -43,7 +43,7 @@ def test_duplicates_run_once_with_the_guard_and_every_time_without(
     for _ in range(copies):
         for task_id in ids:
             app.send_task("cnl_beat.once", task_id=task_id, queue=cluster.queue)
-            app.send_task("cnl_beat.record", task_id=task_id, queue=cluster.queue)
+            app.send_task("cnl_beat.plain", task_id=task_id, queue=cluster.queue)
     # Two workers of four threads each compete for the copies.
     cluster.start_worker(pool="threads", concurrency=4)
     cluster.start_worker(pool="threads", concurrency=4)
@@ -51,7 +51,7 @@ def test_duplicates_run_once_with_the_guard_and_every_time_without(
     duplicates = len(ids) * (copies - 1)
     wait_for(
         lambda: (
-            len(cluster.ledger.runs("cnl_beat.record")) == len(ids) * copies
+            len(cluster.ledger.runs("cnl_beat.plain")) == len(ids) * copies
             and _already_ran(cluster) == duplicates
         ),
         90,
@@ -59,7 +59,7 @@ def test_duplicates_run_once_with_the_guard_and_every_time_without(
         cluster.diagnostics,
     )
     guarded = collections.Counter(r.task_id for r in cluster.ledger.runs("cnl_beat.once"))
-    plain = collections.Counter(r.task_id for r in cluster.ledger.runs("cnl_beat.record"))
+    plain = collections.Counter(r.task_id for r in cluster.ledger.runs("cnl_beat.plain"))
     # Celery runs every copy; the guard runs each id once.
     assert plain == dict.fromkeys(ids, copies)
     assert guarded == dict.fromkeys(ids, 1)

@@ -24,11 +24,21 @@ This module imports neither Celery nor Django: schedules are used through
 from __future__ import annotations
 
 import math
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-__all__ = ["TickPlan", "TickPlanner", "next_slot", "parse_slot", "slot_text", "to_utc"]
+__all__ = [
+    "TICK_ID_NAMESPACE",
+    "TickPlan",
+    "TickPlanner",
+    "next_slot",
+    "parse_slot",
+    "slot_text",
+    "tick_task_id",
+    "to_utc",
+]
 
 UTC = timezone.utc
 
@@ -211,3 +221,23 @@ def parse_slot(text: str) -> datetime:
 
     """
     return to_utc(datetime.fromisoformat(text))
+
+
+#: Namespace of the task ids derived from ticks (uuid5).
+TICK_ID_NAMESPACE = uuid.UUID("5d1f9b1e-2c4a-4e0b-9a57-6b3c1f0d8e42")
+
+
+def tick_task_id(bucket: str, role: str, entry: str, tick: str) -> str:
+    """The task id of a tick: the same for every scheduler that could send it.
+
+    Args:
+        bucket: The state bucket.
+        role: The beat role.
+        entry: The entry's name.
+        tick: The tick's slot as sent in the ``nats_leader_tick`` header.
+
+    Returns:
+        A UUID string (uuid5), usable as an idempotency key downstream.
+
+    """
+    return str(uuid.uuid5(TICK_ID_NAMESPACE, f"{bucket}/{role}/{entry}/{tick}"))

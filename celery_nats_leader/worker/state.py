@@ -10,7 +10,7 @@ forks (:class:`SharedLeadership`); children read it.
 The lease deadline is a :func:`time.monotonic` reading, i.e. ``CLOCK_MONOTONIC``
 on Linux, which is one clock for the whole host, so a child may compare it with
 its own clock. The parent publishes a deadline never later than its own (see
-:meth:`LeaderService.publish <celery_nats_leader.worker_service.LeaderService.publish>`),
+:meth:`LeaderService.publish <celery_nats_leader.worker.service.LeaderService.publish>`),
 so a child never believes in a term longer than the parent does: if the parent
 freezes or dies, its children stop starting leader-only work when the lease
 runs out, before any successor can be elected.
@@ -38,11 +38,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from celery_nats_leader.backend.base import Bucket
-from celery_nats_leader.backend.jetstream import JetStreamBackend
-from celery_nats_leader.connection import ConnectOptions, connect
+from celery_nats_leader.backend import Bucket
 from celery_nats_leader.errors import ElectionError, RecordFormatError
 from celery_nats_leader.loop_thread import EventLoopThread
+from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.record import decode_record
 from celery_nats_leader.token import FencingToken
 

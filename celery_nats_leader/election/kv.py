@@ -33,12 +33,11 @@ from typing import Any
 from nats.aio.client import Client
 
 from celery_nats_leader import constants as c
-from celery_nats_leader.backend.base import Backend, Bucket, KVEntry, Operation
+from celery_nats_leader.backend import Backend, Bucket, KVEntry, Operation
 from celery_nats_leader.backoff import Backoff
 from celery_nats_leader.clock import Clock
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.connection import ConnectOptions
-from celery_nats_leader.election_base import (
+from celery_nats_leader.election.base import (
     BaseElection,
     DemoteCallback,
     DemoteReason,
@@ -48,6 +47,7 @@ from celery_nats_leader.election_base import (
     PromoteCallback,
     control_subject,
 )
+from celery_nats_leader.election.observer import ElectionObserver
 from celery_nats_leader.errors import (
     BackendError,
     BackendTimeoutError,
@@ -61,7 +61,7 @@ from celery_nats_leader.errors import (
     RecordFormatError,
     RevisionMismatchError,
 )
-from celery_nats_leader.observer import ElectionObserver
+from celery_nats_leader.nats.connection import ConnectOptions
 from celery_nats_leader.record import LeaderRecord, decode_record, encode_record
 from celery_nats_leader.token import FencingToken
 

@@ -52,10 +52,10 @@ from celery._state import get_current_task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_task_logger
 
-from celery_nats_leader.backend.base import Bucket
-from celery_nats_leader.connection import connect
+from celery_nats_leader.backend import Bucket
 from celery_nats_leader.errors import BackendTimeoutError, ElectionError
 from celery_nats_leader.loop_thread import EventLoopThread
+from celery_nats_leader.nats.connection import connect
 from celery_nats_leader.once import Claim, ClaimLostError, OnceGuard, Verdict
 from celery_nats_leader.settings import LeaderSettings
 
@@ -125,7 +125,7 @@ class OnceService:
 
     async def _open(self) -> OnceGuard:
         if self._guard is None:
-            from celery_nats_leader.backend.jetstream import JetStreamBackend
+            from celery_nats_leader.nats.jetstream import JetStreamBackend
 
             settings = self.settings
             nc = await connect(settings.connection, timeout=self.timeout, name="nats-leader-once")

@@ -69,7 +69,10 @@ from typing import Any
 from nats.aio.client import Client
 
 from celery_nats_leader import constants as c
-from celery_nats_leader.allcall_protocol import (
+from celery_nats_leader.backend import Backend
+from celery_nats_leader.clock import Clock
+from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.election.allcall_protocol import (
     ALLCALL_VERB,
     REMEMBERED_RELEASES,
     REPLY_VERB,
@@ -85,18 +88,15 @@ from celery_nats_leader.allcall_protocol import (
     encode_message,
     new_epoch,
 )
-from celery_nats_leader.backend.base import Backend
-from celery_nats_leader.clock import Clock
-from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.connection import ConnectOptions
-from celery_nats_leader.election_base import (
+from celery_nats_leader.election.base import (
     BaseElection,
     DemoteReason,
     ElectionState,
     control_subject,
 )
+from celery_nats_leader.election.observer import ElectionObserver
 from celery_nats_leader.errors import ConfigError, ElectionError
-from celery_nats_leader.observer import ElectionObserver
+from celery_nats_leader.nats.connection import ConnectOptions
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
 
@@ -147,7 +147,7 @@ class _Probe:
 class AllcallElection(BaseElection):
     """Leader election for one role with the ALLCALL algorithm (core NATS only).
 
-    Implements :class:`~celery_nats_leader.interface.LeaderElection` with the
+    Implements :class:`~celery_nats_leader.election.interface.LeaderElection` with the
     same semantics as :class:`~celery_nats_leader.election.Election` where
     they apply; see the module docstring for the algorithm and the clock
     assumption, and the README's ALLCALL section for the guarantees.

@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from celery_nats_leader.backend.base import Bucket, KVEntry
-from celery_nats_leader.beat_ticks import parse_slot, slot_text, to_utc
+from celery_nats_leader.backend import Bucket, KVEntry
+from celery_nats_leader.beat.ticks import parse_slot, slot_text, to_utc
 from celery_nats_leader.errors import BackendTimeoutError, NotConnectedError, RecordFormatError
 
 if TYPE_CHECKING:

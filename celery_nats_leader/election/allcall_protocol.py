@@ -1,7 +1,7 @@
 """ALLCALL: constants, wire format, ranks and the claim ordering (pure, no I/O).
 
 This module holds everything of the ALLCALL strategy that two processes must
-agree on, so that :mod:`celery_nats_leader.allcall` is only the state machine
+agree on, so that :mod:`celery_nats_leader.election.allcall` is only the state machine
 and its I/O. See the README's ALLCALL section for the algorithm.
 
 Subjects (``<prefix>`` is ``_NATS_LEADER``, shared with the KV strategy's side
@@ -48,17 +48,6 @@ WIRE_VERSION = 1
 #: Verbs of the subjects above (the last token of each subject).
 ALLCALL_VERB = "allcall"
 REPLY_VERB = "allreply"
-
-#: Seconds between allcalls when ``heartbeat_interval`` is not configured
-#: (the seed's heartBeat), capped at ``ttl / 4`` for short leases.
-DEFAULT_HEARTBEAT_SECONDS = 1.0
-
-#: The seed's maxClockSkew: the largest difference, in seconds, between the
-#: wall clocks of any two hosts that ALLCALL tolerates.
-DEFAULT_MAX_CLOCK_SKEW_SECONDS = 1.0
-
-#: ``max_clock_skew`` may be at most this fraction of the lease.
-MAX_CLOCK_SKEW_FRACTION_OF_TTL = 0.5
 
 #: Bits of the random tie-breaker of a rank: with 128 bits, two candidates of
 #: equal priority draw the same one with probability 2**-128.

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from celery_nats_leader.backend.base import Backend
+from celery_nats_leader.backend import Backend
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.election import (
+from celery_nats_leader.election.base import (
     DemoteCallback,
     ElectionState,
     ErrorCallback,
@@ -133,10 +133,10 @@ def new_election(config: ElectionConfig, **kwargs: Any) -> LeaderElection:
         An election, not started.
     """
     if config.strategy == "allcall":
-        from celery_nats_leader.allcall import AllcallElection
+        from celery_nats_leader.election.allcall import AllcallElection
 
         election: LeaderElection = AllcallElection(config, **kwargs)
         return election
-    from celery_nats_leader.election import Election
+    from celery_nats_leader.election.kv import Election
 
     return Election(config, **kwargs)

@@ -6,7 +6,7 @@ Every nats-py error is translated here into the package's errors, with
 Election writes never sit in nats-py's reconnect buffer: a write is refused
 with :class:`~celery_nats_leader.errors.NotConnectedError` while the
 connection is down (a buffered renewal could land long after the leader
-stepped down). Connections made by :func:`celery_nats_leader.connection.connect`
+stepped down). Connections made by :func:`celery_nats_leader.nats.connection.connect`
 also disable the buffer entirely (``pending_size=0``).
 """
 
@@ -26,7 +26,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
-from celery_nats_leader.backend.base import KVEntry, MessageHandler, Operation, WatchCallback
+from celery_nats_leader.backend import KVEntry, MessageHandler, Operation, WatchCallback
 from celery_nats_leader.errors import (
     BackendError,
     BackendTimeoutError,

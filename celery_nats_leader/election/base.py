@@ -10,7 +10,7 @@ takeover requests.
 
 Each strategy subclasses it and supplies the algorithm:
 :class:`~celery_nats_leader.election.Election` (the KV strategy) and
-:class:`~celery_nats_leader.allcall.AllcallElection` (ALLCALL). What they
+:class:`~celery_nats_leader.election.allcall.AllcallElection` (ALLCALL). What they
 must provide is abstract here: :meth:`~BaseElection.start`,
 :meth:`~BaseElection.stop`, :meth:`~BaseElection.validate_token`,
 :meth:`~BaseElection.describe`, :attr:`~BaseElection.leader`,
@@ -33,14 +33,14 @@ from typing import Any, ClassVar
 from nats.aio.client import Client
 
 from celery_nats_leader import constants as c
-from celery_nats_leader.backend.base import Backend, Subscription
-from celery_nats_leader.callbacks import CallbackRunner
+from celery_nats_leader.backend import Backend, Subscription
 from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.connection import ConnectionListener, ConnectOptions, connect
+from celery_nats_leader.election.callbacks import CallbackRunner
+from celery_nats_leader.election.health import watch_health
+from celery_nats_leader.election.observer import ElectionObserver, NullObserver
 from celery_nats_leader.errors import ElectionError, ElectionStoppedError
-from celery_nats_leader.health import watch_health
-from celery_nats_leader.observer import ElectionObserver, NullObserver
+from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, connect
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
 
@@ -124,7 +124,7 @@ class _Waker(ConnectionListener):
 class BaseElection(abc.ABC):
     """State and plumbing shared by the election strategies (one role each).
 
-    Not used directly: see :func:`~celery_nats_leader.interface.new_election`.
+    Not used directly: see :func:`~celery_nats_leader.election.interface.new_election`.
 
     Args:
         config: The role's configuration.
@@ -429,7 +429,7 @@ class BaseElection(abc.ABC):
         if self._backend is not None:
             return self._backend
         # Imported here so that the memory backend needs no nats-py connection.
-        from celery_nats_leader.backend.jetstream import JetStreamBackend
+        from celery_nats_leader.nats.jetstream import JetStreamBackend
 
         connection = self._connection
         if connection is None:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from celery_nats_leader.backend.base import Backend
+from celery_nats_leader.backend import Backend
 from celery_nats_leader.config import Strategy
 from celery_nats_leader.constants import DEFAULT_ROSTER_WINDOW_SECONDS, ROSTER_VERB
 from celery_nats_leader.election import control_subject

@@ -5,13 +5,13 @@ One :class:`LeaderService` per worker, in the worker's main process:
 * one :class:`~celery_nats_leader.elector.Elector` (one event-loop thread, one
   NATS connection) campaigning for ``nats_leader_roles``;
 * the shared-memory slots through which prefork children learn the term
-  (:mod:`celery_nats_leader.worker_state`), kept current from the elector's
+  (:mod:`celery_nats_leader.worker.state`), kept current from the elector's
   own loop at every state change and renewal;
 * the :class:`LeaderQueueController`, which makes the consumer read a role's
   leader queue only while this worker leads the role;
-* the :mod:`~celery_nats_leader.signals` and the Prometheus metrics.
+* the :mod:`~celery_nats_leader.worker.signals` and the Prometheus metrics.
 
-The bootsteps in :mod:`celery_nats_leader.bootstep` only build, start and
+The bootsteps in :mod:`celery_nats_leader.worker.bootstep` only build, start and
 stop it.
 """
 
@@ -25,16 +25,16 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from celery_nats_leader import worker_state
 from celery_nats_leader.election import DemoteReason
+from celery_nats_leader.election.observer import ElectionObserver
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import ConfigError, ElectionError
-from celery_nats_leader.observer import ElectionObserver
 from celery_nats_leader.settings import LeaderSettings
-from celery_nats_leader.signals import leader_demoted, leader_promoted
-from celery_nats_leader.tasks import leader_tasks, upgrade_tasks
 from celery_nats_leader.token import FencingToken
-from celery_nats_leader.worker_state import SharedLeadership, WorkerLeadership
+from celery_nats_leader.worker import state as worker_state
+from celery_nats_leader.worker.signals import leader_demoted, leader_promoted
+from celery_nats_leader.worker.state import SharedLeadership, WorkerLeadership
+from celery_nats_leader.worker.tasks import leader_tasks, upgrade_tasks
 
 if TYPE_CHECKING:
     from celery_nats_leader.prometheus import PrometheusObserver

@@ -57,11 +57,11 @@ from celery._state import get_current_task
 from celery.exceptions import Ignore, Reject
 
 from celery_nats_leader import constants as c
-from celery_nats_leader import worker_state
 from celery_nats_leader.config import validate_key
 from celery_nats_leader.errors import ConfigError, LeadershipLostError, NotLeaderError
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
+from celery_nats_leader.worker import state as worker_state
 
 __all__ = [
     "LeaderTask",

@@ -26,10 +26,10 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Ignore
 
-from celery_nats_leader.backend.base import Bucket
-from celery_nats_leader.connection import ConnectOptions, connect
+from celery_nats_leader.backend import Bucket
 from celery_nats_leader.errors import BackendTimeoutError, ElectionError, RecordFormatError
 from celery_nats_leader.loop_thread import EventLoopThread
+from celery_nats_leader.nats.connection import ConnectOptions, connect
 from celery_nats_leader.record import decode_record
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
@@ -170,7 +170,7 @@ class DispatchFence:
     async def _read(self, role: str) -> int | None:
         bucket = self._bucket
         if bucket is None:
-            from celery_nats_leader.backend.jetstream import JetStreamBackend
+            from celery_nats_leader.nats.jetstream import JetStreamBackend
 
             nc = await connect(self.connection, timeout=self.timeout, name="nats-leader-fence")
             bucket = await JetStreamBackend(nc).open_bucket(

@@ -1,4 +1,4 @@
-"""What the election needs from a store.
+"""What the election needs from a store: the seam between the core and NATS.
 
 A KV bucket with conditional writes and a key watch, and plain request/reply
 messaging for the side channel (roster and resign requests).
@@ -173,3 +173,14 @@ class Backend(Protocol):
     ) -> list[bytes]:
         """Send a request and collect every reply that arrives within ``window`` seconds."""
         ...
+
+
+__all__ = [
+    "Backend",
+    "Bucket",
+    "KVEntry",
+    "MessageHandler",
+    "Operation",
+    "Subscription",
+    "WatchCallback",
+]

@@ -9,7 +9,7 @@ Add them with one line where the app is created::
     install(app)
 
 Two thin steps, in the style of Celery's ``consumer/heart.py``; the work is
-done by :class:`~celery_nats_leader.worker_service.LeaderService`:
+done by :class:`~celery_nats_leader.worker.service.LeaderService`:
 
 * :class:`NatsLeaderBootstep` (worker blueprint) builds the service before the
   pool forks, starts it after, and stops it at the *start* of a shutdown, so
@@ -27,8 +27,8 @@ from celery import bootsteps
 
 from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.settings import LeaderSettings
-from celery_nats_leader.tasks import install_routing
-from celery_nats_leader.worker_service import LeaderService
+from celery_nats_leader.worker.service import LeaderService
+from celery_nats_leader.worker.tasks import install_routing
 
 __all__ = ["LeaderQueues", "NatsLeaderBootstep", "install"]
 

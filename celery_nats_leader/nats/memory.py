@@ -16,7 +16,7 @@ import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from celery_nats_leader.backend.base import KVEntry, MessageHandler, Operation, WatchCallback
+from celery_nats_leader.backend import KVEntry, MessageHandler, Operation, WatchCallback
 from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
 from celery_nats_leader.errors import (
     BackendTimeoutError,

@@ -1,0 +1,8 @@
+"""Operator operations, shared by the Celery CLI and the Django commands.
+
+* :mod:`.status`: who leads each role, with each leader's own view of its
+  term (read from the bucket and asked of the live candidates).
+
+No Celery and no Django here: ``celery nats-leader`` and the
+``manage.py election_*`` commands are thin layers over these functions.
+"""
