@@ -92,6 +92,7 @@ class OnceService:
         )
         self._loop = EventLoopThread(name="nats-leader-once")
         self._guard: OnceGuard | None = None
+        self._nc: Any = None
         self._lock = threading.Lock()
         self.claimant = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -129,6 +130,7 @@ class OnceService:
 
             settings = self.settings
             nc = await connect(settings.connection, timeout=self.timeout, name="nats-leader-once")
+            self._nc = nc
             backend = JetStreamBackend(nc)
             opened: list[Bucket] = []
             for name, ttl in (
@@ -148,6 +150,24 @@ class OnceService:
                 opened[0], opened[1], claimant=self.claimant, timeout=self.timeout
             )
         return self._guard
+
+    def close(self) -> None:
+        """Close the connection and stop the loop thread (the next use reopens them)."""
+        if not self._loop.is_running:
+            return
+
+        async def close() -> None:
+            nc, self._nc, self._guard = self._nc, None, None
+            if nc is not None:
+                await nc.close()
+
+        with contextlib.suppress(Exception):
+            self._loop.run(close(), self.timeout + 1.0)
+        self._loop.stop()
+        with self._instances_lock:
+            for key, service in list(self._instances.items()):
+                if service is self:
+                    del self._instances[key]
 
     @contextlib.contextmanager
     def renewing(self, claim: Claim) -> Any:
