@@ -89,7 +89,7 @@ def _acknowledged_duplicates(cluster: BeatCluster) -> int:
 
 def _check(cluster: BeatCluster, killed: dict[str, int], end_wall: float) -> None:
     # Nothing lost, even from the killed terms; nothing twice.
-    verdicts = check_exactly_once(cluster, killed_epochs=set(), end_wall=end_wall)
+    verdicts = check_exactly_once(cluster, end_wall=end_wall)
     check_gaps(cluster, verdicts, FAILOVER)
     check_terms(cluster)
     for verdict in verdicts.values():
