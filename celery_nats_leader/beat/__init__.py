@@ -26,6 +26,8 @@ The package, one part per module:
   or revert, and re-send a pending tick (no Celery);
 * :mod:`~celery_nats_leader.beat.election`: the beat role (no Celery);
 * :mod:`~celery_nats_leader.beat.ticks`: tick identity and planning (no Celery);
+* :mod:`~celery_nats_leader.beat.agenda`: when to ask each entry again (no Celery);
+* :mod:`~celery_nats_leader.beat.metrics`: per-entry tick counters (no Celery);
 * :mod:`~celery_nats_leader.beat.state`: the entries' state in KV (no Celery);
 * :mod:`~celery_nats_leader.beat.fence`: the worker-side check of the token.
 

@@ -135,6 +135,9 @@ class Outcome(enum.Enum):
     #: Committed, not sent, and the commit could not be undone: the tick stays
     #: pending and is sent later (by this scheduler or its successor).
     UNSENT = "unsent"
+    #: The send failed for good (the message cannot be built): the commit is
+    #: kept, so this tick is dropped and the entry goes on with its next one.
+    FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,9 @@ class TickDispatcher:
         send_guard: A context manager factory entered around "check the lease,
             send" (the Celery mixin defers SIGTERM there, so a graceful stop
             cannot fall between the commit and the send).
+        is_permanent: Whether a send's exception will recur on every attempt
+            (a message that cannot be serialized): such a tick is not handed
+            back, since retrying it would only fail again.
 
     """
 
@@ -171,10 +177,12 @@ class TickDispatcher:
         instance_id: str,
         *,
         send_guard: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+        is_permanent: Callable[[BaseException], bool] = lambda exc: False,
     ) -> None:
         self.store = store
         self.instance_id = instance_id
         self.send_guard = send_guard
+        self.is_permanent = is_permanent
         self.states: dict[str, EntryState] = {}
         self.term: FencingToken | None = None
         # Entry name -> commit id of the pending state whose tick this
@@ -354,6 +362,21 @@ class TickDispatcher:
             try:
                 send(committed)
             except Exception as exc:
+                if self.is_permanent(exc):
+                    # As Celery: log it and go on; the tick is consumed. It is
+                    # recorded as no longer pending: sending it again (the
+                    # outbox) would only fail again.
+                    self.sent[tick.name] = committed.commit
+                    committed = self._record_sent(committed)
+                    self.states[tick.name] = committed
+                    logger.error(
+                        "nats-leader beat: sending %r (tick %s) failed and would fail again: "
+                        "%r; tick dropped, the entry goes on with its next tick",
+                        tick.name,
+                        slot_text(committed.slot),
+                        exc,
+                    )
+                    return Dispatched(Outcome.FAILED, committed, exc)
                 logger.error(
                     "nats-leader beat: sending %r (tick %s) failed: %r",
                     tick.name,

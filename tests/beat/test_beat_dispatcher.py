@@ -151,6 +151,7 @@ def test_the_parts_without_celery_import_without_it() -> None:
         "import celery_nats_leader.beat\n"
         "import celery_nats_leader.beat.dispatcher, celery_nats_leader.beat.election\n"
         "import celery_nats_leader.beat.state, celery_nats_leader.beat.ticks\n"
+        "import celery_nats_leader.beat.agenda, celery_nats_leader.beat.metrics\n"
         "assert celery_nats_leader.beat.tick_task_id('b', 'r', 'e', 't')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
@@ -257,3 +258,23 @@ def test_a_commit_that_could_not_be_undone_stays_pending_and_is_sent_later(
     sent: list[EntryState] = []
     assert dispatcher.dispatch(Lease(), TOKEN, again, sent.append).outcome is Outcome.SENT
     assert [(s.slot, s.runs) for s in sent] == [(T0 + timedelta(seconds=10), 1)]
+
+
+def test_a_tick_that_can_never_be_sent_is_dropped_not_resent(store: ScheduleStateStore) -> None:
+    dispatcher = TickDispatcher(
+        store, "unit-a", is_permanent=lambda exc: isinstance(exc, TypeError)
+    )
+    dispatcher.begin_term(TOKEN)
+    assert dispatcher.adopt("e", T0, runs=0, task="t", token=TOKEN) is not None
+
+    def send(committed: EntryState) -> None:
+        raise TypeError("cannot serialize a set")
+
+    result = dispatcher.dispatch(Lease(), TOKEN, tick(10), send)
+    assert result.outcome is Outcome.FAILED
+    # Dropped as Celery does, and recorded as such: no scheduler sends it again.
+    in_kv = store.get("e")
+    assert in_kv is not None and not in_kv.pending and in_kv.slot == T0 + timedelta(seconds=10)
+    successor = TickDispatcher(store, "unit-b")
+    successor.begin_term(FencingToken(epoch=8, value="t-8"))
+    assert successor.pending_tick("e") is None
