@@ -45,6 +45,8 @@ _LAZY = {
     "NatsLeaderBootstep": "celery_nats_leader.worker.bootstep",
     "leader_only": "celery_nats_leader.worker.tasks",
     "LeaderTask": "celery_nats_leader.worker.tasks",
+    "OnceTask": "celery_nats_leader.worker.once",
+    "run_once": "celery_nats_leader.worker.once",
     "leader_promoted": "celery_nats_leader.worker.signals",
     "leader_demoted": "celery_nats_leader.worker.signals",
     "LeaderScheduler": "celery_nats_leader.beat",
