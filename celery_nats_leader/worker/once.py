@@ -53,7 +53,13 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_task_logger
 
 from celery_nats_leader.backend import Bucket
-from celery_nats_leader.errors import BackendTimeoutError, ElectionError
+from celery_nats_leader.errors import (
+    BackendTimeoutError,
+    BucketConfigError,
+    BucketNotFoundError,
+    ElectionError,
+    PermissionDeniedError,
+)
 from celery_nats_leader.loop_thread import EventLoopThread
 from celery_nats_leader.nats.connection import connect
 from celery_nats_leader.once import Claim, ClaimLostError, OnceGuard, Verdict
@@ -93,6 +99,7 @@ class OnceService:
         self._loop = EventLoopThread(name="nats-leader-once")
         self._guard: OnceGuard | None = None
         self._nc: Any = None
+        self._opening: asyncio.Lock | None = None
         self._lock = threading.Lock()
         self.claimant = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -125,13 +132,27 @@ class OnceService:
             raise BackendTimeoutError(f"the once-guard got no answer from NATS: {exc}") from exc
 
     async def _open(self) -> OnceGuard:
+        if self._guard is not None:
+            return self._guard
+        if self._opening is None:
+            # Created on the loop (never bound in __init__); tasks of a
+            # threads pool ask at once, one of them opens.
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            return await self._open_once()
+
+    async def _open_once(self) -> OnceGuard:
         if self._guard is None:
             from celery_nats_leader.nats.jetstream import JetStreamBackend
 
             settings = self.settings
-            nc = await connect(settings.connection, timeout=self.timeout, name="nats-leader-once")
-            self._nc = nc
-            backend = JetStreamBackend(nc)
+            if self._nc is None:
+                self._nc = await connect(
+                    settings.connection, timeout=self.timeout, name="nats-leader-once"
+                )
+            # One connection per process, kept when opening the buckets fails
+            # (the next call tries the buckets again on it).
+            backend = JetStreamBackend(self._nc)
             opened: list[Bucket] = []
             for name, ttl in (
                 (f"{settings.once_bucket}_leases", settings.once_lease),
@@ -157,7 +178,7 @@ class OnceService:
             return
 
         async def close() -> None:
-            nc, self._nc, self._guard = self._nc, None, None
+            nc, self._nc, self._guard, self._opening = self._nc, None, None, None
             if nc is not None:
                 await nc.close()
 
@@ -242,8 +263,16 @@ def run_task_once(task: Any, call: Callable[[], T]) -> T:
     try:
         claim = service.run(lambda guard: guard.claim(task_id))
     except ElectionError as exc:
-        task_logger.warning(
-            "%s[%s]: cannot claim its id (%s); retrying in %gs", task.name, task_id, exc, retry_in
+        # Kept (retried), never run unguarded nor dropped; a problem that
+        # needs an operator (bucket settings, permissions) is said at ERROR.
+        permanent = isinstance(exc, (BucketConfigError, BucketNotFoundError, PermissionDeniedError))
+        task_logger.log(
+            logging.ERROR if permanent else logging.WARNING,
+            "%s[%s]: cannot claim its id (%s); retrying in %gs",
+            task.name,
+            task_id,
+            exc,
+            retry_in,
         )
         raise task.retry(countdown=retry_in, max_retries=None) from exc
     if claim.verdict is Verdict.DONE:
