@@ -6,13 +6,16 @@ the app's configuration::
     celery -A proj nats-leader status            # table; exit 1 if a role has no leader
     celery -A proj nats-leader status --json     # machine-readable
     celery -A proj nats-leader resign reports    # ask the leader of "reports" to step down
+    celery -A proj nats-leader resign reports --json  # ... and report the successor as JSON
 
 Exit codes: 0 all right; 1 a configured role has no leader (``status``) or no
-leader accepted (``resign``); 2 the elections could not be read (NATS
+leader stepped down (``resign``); 2 the elections could not be read (NATS
 unreachable, bucket missing, bad configuration).
 
-These are one-shot commands: each opens a NATS connection, does its work and
-closes it (``asyncio.run`` is fine here, unlike in long-lived processes).
+Both commands are thin layers over :mod:`celery_nats_leader.ops`, which the
+Django management commands use too. They are one-shot: each opens a NATS
+connection, does its work and closes it (``asyncio.run`` is fine here,
+unlike in long-lived processes).
 """
 
 from __future__ import annotations
@@ -21,15 +24,20 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import click
 
 from celery_nats_leader import constants as c
-from celery_nats_leader.election import control_subject
-from celery_nats_leader.errors import ElectionError
-from celery_nats_leader.nats.connection import connect
-from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.config import validate_key
+from celery_nats_leader.errors import (
+    BackendTimeoutError,
+    ConfigError,
+    ElectionError,
+    NotLeaderError,
+)
+from celery_nats_leader.nats import open_backend
+from celery_nats_leader.ops.oneshot import operator_name
+from celery_nats_leader.ops.resign import outcome_lines, outcome_to_dict, request_resignation
 from celery_nats_leader.ops.status import RoleStatus, read_status
 from celery_nats_leader.settings import LeaderSettings
 
@@ -56,35 +64,17 @@ def _settings(ctx: click.Context) -> LeaderSettings:
 async def _read(
     settings: LeaderSettings, roles: Sequence[str], timeout: float, window: float
 ) -> list[RoleStatus]:
-    nc = await connect(settings.connection, timeout=timeout, name="celery-nats-leader-cli")
-    try:
+    async with await open_backend(
+        settings.connection, timeout=timeout, name="celery-nats-leader-cli"
+    ) as backend:
         return await read_status(
-            JetStreamBackend(nc),
+            backend,
             settings.bucket,
             roles=roles,
             timeout=timeout,
             roster_window=window,
             strategy=settings.strategy,
         )
-    finally:
-        await nc.close()
-
-
-async def _resign(settings: LeaderSettings, role: str, timeout: float) -> dict[str, Any] | None:
-    nc = await connect(settings.connection, timeout=timeout, name="celery-nats-leader-cli")
-    try:
-        backend = JetStreamBackend(nc)
-        body = json.dumps({"requester": "celery nats-leader resign"}).encode()
-        try:
-            reply = await backend.request(
-                control_subject(settings.bucket, role, c.RESIGN_VERB), body, timeout=timeout
-            )
-        except ElectionError:
-            return None
-        answer = json.loads(reply)
-        return answer if isinstance(answer, dict) else None
-    finally:
-        await nc.close()
 
 
 def _table(statuses: Sequence[RoleStatus], configured: Sequence[str]) -> str:
@@ -177,26 +167,54 @@ def status(
 
 @nats_leader.command()
 @click.argument("role")
-@click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for an answer.")
+@click.option(
+    "--wait",
+    type=float,
+    default=None,
+    help="Seconds to wait for the new leader (default: the role's TTL + 1; 0: no wait).",
+)
+@click.option(
+    "--timeout", default=5.0, show_default=True, help="Seconds to wait for the leader's answer."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.pass_context
-def resign(ctx: click.Context, role: str, timeout: float) -> None:
-    """Ask the current leader of ROLE to step down (it hands over in milliseconds).
+def resign(
+    ctx: click.Context, role: str, wait: float | None, timeout: float, as_json: bool
+) -> None:
+    """Ask the current leader of ROLE to step down, and report the new leader.
 
     The leader runs its demote callbacks, releases the key and sits out one
-    TTL, so another candidate takes the role.
+    TTL, so another candidate takes the role within milliseconds. Exits 1
+    when nobody leads ROLE, its leader did not answer, or it refused.
     """
     settings = _settings(ctx)
     try:
-        answer = asyncio.run(_resign(settings, role, timeout))
-    except ElectionError as exc:
+        validate_key(role, "ROLE")
+    except ConfigError as exc:
         click.echo(f"Error: {exc}", err=True)
         ctx.exit(EXIT_ERROR)
-    if answer is None:
-        click.echo(f"no leader of {role!r} answered within {timeout:g}s", err=True)
+    if wait is None:
+        wait = settings.election_config(role).ttl + 1.0
+    try:
+        outcome = request_resignation(
+            settings,
+            role,
+            timeout=timeout,
+            wait=wait,
+            requester=operator_name("celery nats-leader resign"),
+        )
+    except (NotLeaderError, BackendTimeoutError) as exc:
+        click.echo(f"Error: {exc}", err=True)
         ctx.exit(EXIT_NO_LEADER)
-    accepted = bool(answer.get("accepted"))
-    click.echo(f"{answer.get('id')}: {'stepping down' if accepted else 'refused'}")
-    ctx.exit(EXIT_OK if accepted else EXIT_NO_LEADER)
+    except ElectionError as exc:
+        click.echo(f"Error: cannot reach the election: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+    if as_json:
+        click.echo(json.dumps(outcome_to_dict(outcome), sort_keys=True))
+    else:
+        for good, line in outcome_lines(outcome, wait):
+            click.echo(line, err=not good)
+    ctx.exit(EXIT_OK if outcome.accepted else EXIT_NO_LEADER)
 
 
 if __name__ == "__main__":  # pragma: no cover

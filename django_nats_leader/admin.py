@@ -19,9 +19,9 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
 
 from celery_nats_leader.errors import ConfigError, ElectionError
+from celery_nats_leader.ops.status import StatusReport, fetch_report
 from django_nats_leader import conf
 from django_nats_leader.models import ElectionStatus, FenceEpoch
-from django_nats_leader.operations import StatusReport, fetch_report
 from django_nats_leader.render import role_rows
 
 logger = logging.getLogger(__name__)

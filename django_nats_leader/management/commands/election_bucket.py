@@ -22,18 +22,12 @@ from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.config import validate_bucket
 from celery_nats_leader.errors import BucketNotFoundError, ConfigError, ElectionError
+from celery_nats_leader.nats import open_backend
+from celery_nats_leader.ops.bucket import BucketInfo, bucket_info, bucket_ttls, ensure_bucket
+from celery_nats_leader.ops.oneshot import operator_name, run_once
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
 from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
-from django_nats_leader.operations import (
-    BucketInfo,
-    bucket_info,
-    bucket_ttls,
-    ensure_bucket,
-    open_backend,
-    operator_name,
-    run_once,
-)
 
 #: What a bucket holds: election keys, or the beat schedule's state.
 ELECTION, BEAT_STATE = "election", "beat_state"
@@ -112,7 +106,7 @@ def inspect_or_create(
     async def run() -> list[Outcome]:
         name = operator_name("manage.py election_bucket")
         found: list[Outcome] = []
-        async with open_backend(settings, timeout=timeout, name=name) as backend:
+        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
             for target in wanted:
                 try:
                     if create:
