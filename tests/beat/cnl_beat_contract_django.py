@@ -64,8 +64,7 @@ def main() -> None:
     def interval(every: int) -> IntervalSchedule:
         return IntervalSchedule.objects.create(every=every, period=IntervalSchedule.SECONDS)
 
-    def create(side: str, name: str) -> None:
-        now = timezone.now()
+    def create(side: str, name: str, now: Any) -> None:
         row: dict[str, Any] = {"name": f"{side}:{name}", "task": "contract.noop"}
         if name == "every-second":
             row["interval"] = interval(1)
@@ -80,7 +79,7 @@ def main() -> None:
             row.update(interval=interval(1), one_off=True)
         elif name == "clocked-now":
             # Issue 10 #4: "run once, now", the recipe of django-celery-beat's docs.
-            clocked = ClockedSchedule.objects.create(clocked_time=timezone.now())
+            clocked = ClockedSchedule.objects.create(clocked_time=now)
             row.update(clocked=clocked, one_off=True)
         elif name == "clocked-just-before":
             clocked = ClockedSchedule.objects.create(clocked_time=now - timedelta(seconds=5))
@@ -107,8 +106,13 @@ def main() -> None:
 
             def apply_async(self, entry: Any, producer: Any = None, **kw: Any) -> Any:
                 result = super().apply_async(entry, producer=producer, **kw)
+                headers = (entry.options or {}).get("headers") or {}
                 record[side]["sent"].append(
-                    [entry.name.removeprefix(prefix), round(time.monotonic() - started, 3)]
+                    [
+                        entry.name.removeprefix(prefix),
+                        round(time.monotonic() - started, 3),
+                        headers.get("nats_leader_tick"),
+                    ]
                 )
                 return result
 
@@ -141,10 +145,13 @@ def main() -> None:
     while not 54.0 <= time.time() % 60 < 56.0:
         time.sleep(0.2)
     # The rows appear while both schedulers run (a change each re-reads at its next tick).
-    for side in SIDES:
-        for name in ROWS:
-            create(side, name)
-    started = time.monotonic()
+    # Each pair of rows at once, their times from one "now": a loaded machine
+    # must not give one side's rows a different start time or expiry.
+    base = timezone.now()
+    for name in ROWS:
+        for side in SIDES:
+            create(side, name, base)
+    started, started_wall = time.monotonic(), time.time()
 
     changes = {
         # An admin enables a row, and slows another one down, while beat runs.
@@ -179,7 +186,7 @@ def main() -> None:
         task.name: {"enabled": task.enabled, "total_run_count": task.total_run_count}
         for task in PeriodicTask.objects.all()
     }
-    print(json.dumps({**record, "rows": rows}))
+    print(json.dumps({**record, "rows": rows, "base": base.timestamp(), "started": started_wall}))
 
 
 if __name__ == "__main__":
