@@ -72,9 +72,9 @@ def main() -> None:
             row.update(interval=interval(1), enabled=False)
         elif name == "start-later":
             # Issue 10 #3: django-celery-beat backdates last_run_at by 30 years.
-            row.update(interval=interval(10), start_time=now + timedelta(seconds=2))
+            row.update(interval=interval(30), start_time=now + timedelta(seconds=2))
         elif name == "expires":
-            row.update(interval=interval(1), expires=now + timedelta(seconds=3.5))
+            row.update(interval=interval(1), expires=now + timedelta(seconds=6))
         elif name == "one-off":
             row.update(interval=interval(1), one_off=True)
         elif name == "clocked-now":
@@ -155,10 +155,10 @@ def main() -> None:
 
     changes = {
         # An admin enables a row, and slows another one down, while beat runs.
-        3.0: lambda side: PeriodicTask.objects.filter(name=f"{side}:enabled-later").update(
+        5.0: lambda side: PeriodicTask.objects.filter(name=f"{side}:enabled-later").update(
             enabled=True
         ),
-        3.5: lambda side: _slow_down(PeriodicTask.objects.get(name=f"{side}:slowed-down")),
+        6.0: lambda side: _slow_down(PeriodicTask.objects.get(name=f"{side}:slowed-down")),
     }
 
     def _slow_down(task: Any) -> None:
