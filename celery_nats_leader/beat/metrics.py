@@ -4,9 +4,11 @@ Every outcome of a tick is counted per entry, so that the singleton beat can
 be alerted on (a tick lost, sends failing, ticks skipped by catch-up):
 
 * ``dispatched``: committed and sent;
-* ``reverted``: committed, not sent, commit undone (dispatched later);
-* ``lost``: committed and not sent, for good (the commit could not be undone,
-  or the message can never be built);
+* ``reverted``: committed, not sent, commit undone or left pending (dispatched
+  later);
+* ``resent``: a tick left pending by another scheduler (or by this one before
+  a failed undo) sent again by the outbox, under the same task id;
+* ``lost``: committed and not sent, for good (the message can never be built);
 * ``skipped``: overdue ticks jumped over by catch-up (``beat_max_catch_up``);
 * ``send_failed``: sends that raised (each attempt).
 
@@ -24,7 +26,7 @@ from typing import Any
 __all__ = ["OUTCOMES", "TickMetrics"]
 
 #: The outcomes counted, in display order.
-OUTCOMES = ("dispatched", "reverted", "lost", "skipped", "send_failed")
+OUTCOMES = ("dispatched", "reverted", "resent", "lost", "skipped", "send_failed")
 
 
 class TickMetrics:

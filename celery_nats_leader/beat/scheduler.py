@@ -458,6 +458,13 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
                 if state is None:
                     wake = min(wake, self._retry_delay())
                     continue
+            resend = dispatcher.pending_tick(name)
+            if resend is not None:
+                # The outbox: committed by another term, maybe never sent.
+                # Sent again before any later tick of the entry (no gate: it
+                # was admitted when it was committed).
+                again = _Due(resend.slot, name, entry, state, 0)
+                return self._dispatch(handle, token, dispatcher, again, resend=True)
             # As Celery's heap: times on the entry's own clock (its schedule's now).
             now = _timestamp(entry.default_now())
             held = self.nats_leader_agenda.held_for(name, entry, state.revision, now)
@@ -566,23 +573,30 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         )
 
     def _dispatch(
-        self, handle: RoleHandle, token: FencingToken, dispatcher: TickDispatcher, due: _Due
+        self,
+        handle: RoleHandle,
+        token: FencingToken,
+        dispatcher: TickDispatcher,
+        due: _Due,
+        *,
+        resend: bool = False,
     ) -> float:
         """Hand one due tick to the dispatcher. Returns the delay before the next pass."""
         # Connect to the broker before committing: a tick must not wait for
         # a broker connection between its commit and its send.
         producer = self.producer
         name, entry = due.name, due.entry
-        tick = Tick(name, due.slot, task=str(entry.task), skipped=due.skipped)
+        tick = Tick(name, due.slot, task=str(entry.task), skipped=due.skipped, resend=resend)
         result = dispatcher.dispatch(
             handle, token, tick, lambda committed: self._send(entry, committed, token, producer)
         )
         outcome, metrics = result.outcome, self.nats_leader_metrics
         if result.error is not None:
             metrics.add(name, "send_failed")
-        if outcome is Outcome.REVERTED:
+        if outcome in (Outcome.REVERTED, Outcome.UNSENT):
+            # Both are sent later: undone, or left pending for the outbox.
             metrics.add(name, "reverted")
-        elif outcome in (Outcome.LOST, Outcome.FAILED):
+        elif outcome is Outcome.FAILED:
             metrics.add(name, "lost")
         if outcome is Outcome.REVERTED and result.error is not None:
             # A failed send: this entry backs off, the others go on.
@@ -603,7 +617,7 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         committed = result.state
         assert committed is not None
         if outcome is Outcome.SENT:
-            metrics.add(name, "dispatched")
+            metrics.add(name, "resent" if resend else "dispatched")
         metrics.add(name, "skipped", due.skipped)
         if due.skipped:
             logger.warning(
