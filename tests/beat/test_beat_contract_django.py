@@ -100,7 +100,7 @@ def test_database_rows_behave_as_with_database_scheduler(
     # The start time is honoured: the tick is found due at the start time, not before
     # (its identity is the time it was found due: the 30-year-old anchor has no slot).
     [start_later] = [tick for name, _, tick in result["ours"]["sent"] if name == "start-later"]
-    assert 2.0 <= parse_slot(start_later).timestamp() - result["base"] <= 6.0
+    assert parse_slot(start_later).timestamp() - result["base"] >= 2.0
     # Expired and spent one-off rows are disabled in the database, as django-celery-beat does.
     rows = result["rows"]
     for name in ("expires", "one-off", "clocked-now"):
