@@ -394,11 +394,14 @@ class Soak:
 
     def _start_beat_part(self) -> None:
         assert self.options.beat_app_dir is not None
-        sys.path.insert(0, str(self.options.beat_app_dir))
+        # The ledger module and the repository root (it imports tests.support).
+        paths = [str(self.options.beat_app_dir), str(self.options.beat_app_dir.parent.parent)]
+        sys.path[:0] = paths
         try:
             from cnl_beat_ledger import BeatLedger  # type: ignore[import-not-found]
         finally:
-            sys.path.remove(str(self.options.beat_app_dir))
+            for path in paths:
+                sys.path.remove(path)
         BeatLedger(str(self.ledger_path)).create()
 
         async def state_bucket(nc: Any) -> None:
