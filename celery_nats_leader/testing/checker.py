@@ -448,8 +448,9 @@ def _check_ticks(
                 f"{', '.join(sorted(lost + never_ran)[:10])}",
             )
         )
+    found = {"dispatched": len(dispatched)} if dispatched else {}
     return {
-        "dispatched": len(dispatched),
+        **found,
         "ran": sum(1 for t in runs if runs[t] >= 1),
         "twice": sum(1 for n in runs.values() if n > 1),
         "lost": lost_total,
