@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionError
+from celery_nats_leader.election.observer import NullObserver
 from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, open_backend
 from celery_nats_leader.token import FencingToken
 
@@ -172,6 +173,24 @@ class _PgFence:
         log.emit("write", t=locked_at, resource="pg", role=role, epoch=token.epoch, accepted=True)
 
 
+class _LeaseObserver(NullObserver):
+    """Records each confirmed renewal's lease deadline (``renewed`` events).
+
+    Called right after the renewal's answer: ``now - seconds`` is its send
+    time, from which the lease runs. The checker ends a belief at the last
+    deadline, even when a starved process writes its ``demote`` line late.
+    """
+
+    def __init__(self, log: EventLog, lease: float) -> None:
+        self._log = log
+        self._lease = lease
+
+    def heartbeat(self, role: str, instance_id: str, seconds: float, ok: bool) -> None:
+        if ok:
+            now = time.monotonic()
+            self._log.emit("renewed", t=now, role=role, until=now - seconds + self._lease)
+
+
 class _Waker(ConnectionListener):
     def __init__(self, elections: list[Election]) -> None:
         self._elections = elections
@@ -233,7 +252,7 @@ async def _run(args: argparse.Namespace, log: EventLog) -> int:
             ttl=args.ttl,
             priority=args.priority,
         )
-        election = Election(config, backend)
+        election = Election(config, backend, observer=_LeaseObserver(log, config.lease_seconds))
 
         def callbacks(election: Election, role: str) -> None:
             @election.on_promote
