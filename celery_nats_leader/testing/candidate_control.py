@@ -331,6 +331,7 @@ class CandidateGroup:
         health_file: str | os.PathLike[str] | None = None,
         release_on_stop: bool = True,
         extra_args: Sequence[str] = (),
+        wrapper: Sequence[str] = (),
     ) -> CandidateProcess:
         """Start one candidate process (returns at once; wait for its ``ready``).
 
@@ -344,6 +345,9 @@ class CandidateGroup:
             health_file: Healthy while this file exists.
             release_on_stop: Delete the key on a graceful stop.
             extra_args: More command line options (see ``--help``).
+            wrapper: Run the child as ``wrapper + argv``; the wrapper must exec
+                it in place (e.g. :meth:`.NetnsHost.command`'s ``ip netns exec
+                NAME``), so that signals reach the candidate.
 
         Returns:
             The process.
@@ -372,7 +376,7 @@ class CandidateGroup:
             argv += ["--log-level", self._log_level]
         if self._reconnect_wait is not None:
             argv += ["--reconnect-wait", repr(self._reconnect_wait)]
-        argv += list(extra_args)
+        argv = [*wrapper, *argv, *extra_args]
         proc = CandidateProcess(name, argv, self._queue, env=self._env)
         self._procs[name] = proc
         return proc

@@ -1,0 +1,113 @@
+"""A real network partition between two hosts of this machine (network namespaces).
+
+The nats-server listens on the root namespace's end of a veth pair; the
+candidate ``inside`` runs in a namespace behind it, ``o1`` and ``o2`` in the
+root namespace. :meth:`NetnsHost.partition` takes the namespace's link down:
+the kernel drops the packets, nothing resets the connection, so the leader
+learns of the partition only from its own renewals going unanswered. All
+event times are this host's monotonic clock (namespaces share it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from celery_nats_leader.testing import CandidateGroup, NatsServer
+from celery_nats_leader.testing.netns import NetnsHost
+from tests.integration.helpers import (
+    BUCKET,
+    LEASE,
+    RECONNECT_WAIT,
+    ROLE,
+    SLACK,
+    TTL,
+    create_bucket,
+    wait_follows,
+)
+
+pytestmark = pytest.mark.integration
+
+OUTSIDE = {"o1", "o2"}
+
+#: How late a ``demoted`` event may be printed after the lease timer fired:
+#: an async callback's latency on a loaded 2-core machine.
+CALLBACK_LATENCY = 0.2
+
+
+@pytest.fixture
+def host() -> Iterator[NetnsHost]:
+    """A namespace joined to the root namespace by a veth pair."""
+    with NetnsHost() as made:
+        yield made
+
+
+@pytest.fixture
+def root_server(host: NetnsHost) -> Iterator[NatsServer]:
+    """A JetStream nats-server on the root side of ``host``'s veth pair.
+
+    Candidates of both namespaces connect to this address (in the root
+    namespace it is a local address, like loopback).
+    """
+    with NatsServer(host=host.root_address) as server:
+        yield server
+
+
+@pytest.fixture
+def hosts_group(root_server: NatsServer) -> Iterator[CandidateGroup]:
+    """Candidate processes for ``ROLE`` on ``root_server``."""
+    with CandidateGroup(
+        root_server.url,
+        role=ROLE,
+        bucket=BUCKET,
+        ttl=TTL,
+        log_level="INFO",
+        reconnect_wait=RECONNECT_WAIT,
+    ) as made:
+        yield made
+
+
+async def test_partitioned_leader_steps_down_by_its_lease_before_a_successor_leads(
+    host: NetnsHost, root_server: NatsServer, hosts_group: CandidateGroup
+) -> None:
+    group = hosts_group
+    await create_bucket(root_server.url)
+    group.spawn("inside", wrapper=host.command([]))
+    first = group.wait_for("promoted", {"inside"}, timeout=TTL + SLACK)
+    for name in sorted(OUTSIDE):
+        group.spawn(name)
+    group.wait_for_all("ready", sorted(OUTSIDE))
+    for name in sorted(OUTSIDE):
+        wait_follows(group, name, "inside", timeout=SLACK)
+    group.wait_for("renewed", {"inside"}, timeout=TTL, after=first.at)
+
+    cut_at = time.monotonic()
+    host.partition()
+    demoted = group.wait_for("demoted", {"inside"}, timeout=LEASE + SLACK)
+    successor = group.wait_for("promoted", OUTSIDE, timeout=TTL + SLACK)
+
+    # Its lease ran until TTL - margin after the send of its last confirmed
+    # renewal; it gave the role up by then, on its own clock, with no word
+    # from the server (none could reach it).
+    last_sent = max(e["sent"] for e in group.events("renewed", {"inside"}) if e.at < demoted.at)
+    deadline = last_sent + LEASE
+    assert demoted["reason"] == "lease_expired", demoted
+    assert demoted.at <= deadline + CALLBACK_LATENCY, (demoted.at - deadline, demoted)
+    # No overlap: the successor was promoted after the old leader stepped
+    # down, and only once the key had expired (TTL after the last write).
+    assert demoted.at < successor.at, (demoted, successor)
+    assert successor.at >= last_sent + TTL - CALLBACK_LATENCY, successor.at - last_sent
+    assert successor["epoch"] > first["epoch"]
+    assert successor.at - cut_at < TTL + SLACK
+
+    host.heal()
+    # Back on the network, the ex-leader follows the successor and does not
+    # lead again while the successor does.
+    wait_follows(group, "inside", successor.name, timeout=TTL + 5 * SLACK)
+    assert group.validate(successor.name)
+    assert not group.validate("inside")
+    assert group.status("inside")["state"] != "leader"
+    assert [e.at for e in group.events("promoted", {"inside"})] == [first.at]
+    assert group.overlap() == 0.0
