@@ -10,13 +10,17 @@ event times are this host's monotonic clock (namespaces share it).
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from celery_nats_leader.testing import CandidateGroup, NatsServer
-from celery_nats_leader.testing.netns import NetnsHost
+from celery_nats_leader.testing.netns import NetnsHost, cleanup_leftovers
 from tests.integration.helpers import (
     BUCKET,
     LEASE,
@@ -111,3 +115,73 @@ async def test_partitioned_leader_steps_down_by_its_lease_before_a_successor_lea
     assert group.status("inside")["state"] != "leader"
     assert [e.at for e in group.events("promoted", {"inside"})] == [first.at]
     assert group.overlap() == 0.0
+
+
+#: A client inside the namespace: connects, says so, prints what it receives and when.
+_CLIENT = """
+import socket, sys, time
+conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+print("connected", flush=True)
+data = conn.recv(16)
+print(data.decode(), time.monotonic(), flush=True)
+"""
+
+
+def test_partition_drops_packets_without_resetting_connections(host: NetnsHost) -> None:
+    with socket.create_server((host.root_address, 0)) as listener:
+        port = listener.getsockname()[1]
+        client = subprocess.Popen(
+            host.command([sys.executable, "-c", _CLIENT, host.root_address, str(port)]),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert client.stdout is not None
+            listener.settimeout(SLACK * 10)
+            conn, _ = listener.accept()
+            with conn:
+                assert client.stdout.readline().strip() == "connected"
+                host.partition()
+                # New connections from inside fail at once (no route) ...
+                connect = (
+                    f"import socket; socket.create_connection(('{host.root_address}', {port}))"
+                )
+                refused = subprocess.run(
+                    host.command([sys.executable, "-c", connect]),
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                assert refused.returncode != 0 and "unreachable" in refused.stderr, refused
+                # ... and bytes sent to it now wait (TCP retransmits) instead of failing.
+                conn.sendall(b"hello")
+                healed_at = time.monotonic()
+                host.heal()
+                word, at = client.stdout.readline().split()
+                assert client.wait(SLACK * 10) == 0
+        finally:
+            if client.poll() is None:
+                client.kill()
+            client.wait()
+            if client.stdout is not None:
+                client.stdout.close()
+    assert word == "hello"
+    assert float(at) > healed_at  # delivered only once the link was back
+
+
+def test_leftovers_of_exited_runs_are_removed_and_a_live_runs_are_kept() -> None:
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    dead_name, live_name = f"cnl{exited.pid}n0", f"cnl{os.getpid()}n998"
+    for name in (dead_name, live_name):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        removed = cleanup_leftovers()
+        listed = subprocess.run(
+            ["ip", "netns", "list"], capture_output=True, text=True, check=True
+        ).stdout.split()
+        assert dead_name in removed and dead_name not in listed
+        assert live_name not in removed and live_name in listed
+    finally:
+        for name in (dead_name, live_name):
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
