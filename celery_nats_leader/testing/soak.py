@@ -6,6 +6,9 @@ out), an R3 election bucket, and election candidates
 role and, while leading, writing through two fences (a file and, when
 reachable, PostgreSQL). Every candidate reaches each server through a
 :class:`~celery_nats_leader.testing.fault_proxy.ThreadedFaultProxy` of its own.
+The first candidate runs in a network namespace of its own (when the
+``partition`` fault is on; that needs root), its proxies listening on the
+root side of its veth pair.
 
 A fault scheduler then injects faults at random moments; several run at once
 (a kill during a failover, a pause during a node restart):
@@ -17,6 +20,8 @@ sigterm             SIGTERM (graceful: releases its roles), restart it
 blackhole           drop every byte between a candidate and NATS for a while
 reset               abort a candidate's connections (TCP RST)
 latency             add 50-500 ms to a candidate's NATS traffic for a while
+partition           cut the first candidate's network namespace off (its veth
+                    down: a real partition, see :mod:`.netns`) for a while
 node_kill           SIGKILL a NATS server, restart it
 stream_leader_kill  SIGKILL the server leading the bucket's stream, restart it
 out_of_storage      fill JetStream's store until writes fail, then free it
@@ -57,6 +62,7 @@ from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 from celery_nats_leader.testing.checker import Report, check, load_events
 from celery_nats_leader.testing.cluster import NatsCluster
 from celery_nats_leader.testing.fault_proxy import ThreadedFaultProxy
+from celery_nats_leader.testing.netns import NetnsHost
 from celery_nats_leader.testing.process import thread_states
 from celery_nats_leader.testing.soak_child import MODULE as CHILD_MODULE
 from celery_nats_leader.testing.soak_child import EventLog, FileFence, pg_settings
@@ -73,6 +79,7 @@ FAULT_KINDS: dict[str, float] = {
     "blackhole": 2,
     "reset": 2,
     "latency": 2,
+    "partition": 2,
     "node_kill": 1,
     "stream_leader_kill": 1,
     "out_of_storage": 0.5,
@@ -140,15 +147,24 @@ class SoakOptions:
 class _Candidate:
     """A soak process: an election candidate (behind its own fault proxies) or a beat."""
 
-    def __init__(self, soak: Soak, name: str, *, kind: str = "candidate") -> None:
+    def __init__(
+        self, soak: Soak, name: str, *, kind: str = "candidate", host: NetnsHost | None = None
+    ) -> None:
         self.soak = soak
         self.name = name
         self.kind = kind
         self.beat = kind != "candidate"  # a Celery process: no proxies, its own program
+        # A candidate on a namespace host reaches the servers through proxies
+        # on the root side of its veth pair (the servers listen on loopback).
+        self.host = host
+        listen = "127.0.0.1" if host is None else host.root_address
         self.proxies = (
             []
             if self.beat
-            else [ThreadedFaultProxy(server.host, server.port) for server in soak.cluster.servers]
+            else [
+                ThreadedFaultProxy(server.host, server.port, listen_host=listen)
+                for server in soak.cluster.servers
+            ]
         )
         for proxy in self.proxies:
             proxy.start()
@@ -197,6 +213,8 @@ class _Candidate:
         ]
         if opts.pg:
             cmd.append("--pg")
+        if self.host is not None:
+            cmd = self.host.command(cmd)  # execs in place: the pid is the candidate's
         self._spawn(cmd, None)
 
     def _spawn(self, cmd: list[str], env: dict[str, str] | None) -> None:
@@ -288,6 +306,7 @@ class Soak:
         self._errors: list[str] = []
         self._threads: list[threading.Thread] = []
         self.injected = 0
+        self.netns_host: NetnsHost | None = None
 
     # ------------------------------------------------------------ helpers
 
@@ -360,6 +379,10 @@ class Soak:
         if preferred and self.rng.random() < 0.7:
             return self.rng.choice(preferred)
         return self.rng.choice(free)
+
+    def _pick_partitionable(self) -> _Candidate | None:
+        free = [c for c in self.candidates if c.host is not None and not c.busy and c.alive]
+        return self.rng.choice(free) if free else None
 
     # -------------------------------------------------------------------- beat
 
@@ -632,6 +655,15 @@ class Soak:
         for proxy in cand.proxies:
             proxy.reset()
 
+    def _partition(self, cand: _Candidate) -> None:
+        assert cand.host is not None
+        self._fault("partition", cand.name, host=cand.host.name)
+        cand.host.partition()
+        try:
+            self._stop.wait(self.rng.uniform(0.3, 2.5 * self.options.ttl))
+        finally:
+            cand.host.heal()
+
     def _latency(self, cand: _Candidate) -> None:
         self._fault("latency", cand.name)
         delay = self.rng.uniform(0.05, 0.5)
@@ -769,7 +801,11 @@ class Soak:
             release: Callable[[], None] = self._node_fault.release
         else:
             # Beats reach NATS directly: only signals apply to them.
-            cand = self._pick_candidate(beats=kind in ("sigkill", "sigstop", "sigterm"))
+            cand = (
+                self._pick_partitionable()
+                if kind == "partition"
+                else self._pick_candidate(beats=kind in ("sigkill", "sigstop", "sigterm"))
+            )
             if cand is None:
                 return False
             cand.busy = True
@@ -840,8 +876,12 @@ class Soak:
             self.log.emit(
                 "start", seed=self.seed, ttl=opts.ttl, roles=list(self.roles), bucket=self.bucket
             )
+            if opts.kinds.get("partition", 0) > 0:
+                # The first candidate runs on a host of its own (a network
+                # namespace), which the partition fault cuts off.
+                self.netns_host = NetnsHost().create()
             for i in range(opts.candidates):
-                cand = _Candidate(self, f"c{i + 1}")
+                cand = _Candidate(self, f"c{i + 1}", host=self.netns_host if i == 0 else None)
                 self.candidates.append(cand)
                 cand.ensure_running()
             self._wait_for_leaders(30)
@@ -893,6 +933,8 @@ class Soak:
                 self.worker.kill()
                 self.worker.wait()
             self.cluster.close()
+            if self.netns_host is not None:
+                self.netns_host.close()
             self.log.close()
         events = load_events(self.events_dir)
         # The documented loss window: a beat killed between committing a tick
