@@ -6,6 +6,7 @@ the app's configuration::
     celery -A proj nats-leader status            # table; exit 1 if a role has no leader
     celery -A proj nats-leader status --json     # machine-readable
     celery -A proj nats-leader resign reports    # ask the leader of "reports" to step down
+    celery -A proj nats-leader fence reports     # end a stuck leader's term now
 
 Exit codes: 0 all right; 1 a configured role has no leader (``status``) or no
 leader accepted (``resign``); 2 the elections could not be read (NATS
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -29,7 +32,8 @@ from celery_nats_leader import constants as c
 from celery_nats_leader.backend.jetstream import JetStreamBackend
 from celery_nats_leader.connection import connect
 from celery_nats_leader.election import control_subject
-from celery_nats_leader.errors import ElectionError
+from celery_nats_leader.errors import ElectionError, NotLeaderError
+from celery_nats_leader.fence import FenceOutcome, fence_leader
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.status import RoleStatus, read_status
 
@@ -197,6 +201,83 @@ def resign(ctx: click.Context, role: str, timeout: float) -> None:
     accepted = bool(answer.get("accepted"))
     click.echo(f"{answer.get('id')}: {'stepping down' if accepted else 'refused'}")
     ctx.exit(EXIT_OK if accepted else EXIT_NO_LEADER)
+
+
+async def _fence(
+    settings: LeaderSettings, role: str, epoch: int | None, timeout: float, wait: float
+) -> FenceOutcome:
+    requester = f"celery nats-leader fence@{socket.gethostname()}:{os.getpid()}"
+    nc = await connect(settings.connection, timeout=timeout, name="celery-nats-leader-cli")
+    try:
+        return await fence_leader(
+            JetStreamBackend(nc),
+            settings.election_config(role).bucket,
+            role,
+            requester=requester,
+            epoch=epoch,
+            timeout=timeout,
+            wait=wait,
+        )
+    finally:
+        await nc.close()
+
+
+@nats_leader.command()
+@click.argument("role")
+@click.option("--epoch", type=int, default=None, help="Fence only this term (its epoch).")
+@click.option(
+    "--wait",
+    default=None,
+    type=float,
+    help="Seconds to wait for the new leader (default: the role's TTL; 0: no wait).",
+)
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds per NATS operation.")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@click.pass_context
+def fence(
+    ctx: click.Context,
+    role: str,
+    *,
+    epoch: int | None,
+    wait: float | None,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """End the current term of ROLE at once (a stuck or paused leader).
+
+    A conditional update at the observed revision replaces the leader's record
+    with a fence marker: every fenced check of the old term fails from then on,
+    and a live candidate takes the role in milliseconds instead of after the
+    TTL. A leader that is not stuck steps down within one heartbeat.
+    Exits 1 when nobody leads ROLE (or its term is not --epoch).
+    """
+    settings = _settings(ctx)
+    if wait is None:
+        wait = settings.election_config(role).ttl
+    try:
+        outcome = asyncio.run(_fence(settings, role, epoch, timeout, wait))
+    except NotLeaderError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_NO_LEADER)
+    except ElectionError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+    if as_json:
+        click.echo(json.dumps(outcome.to_dict(), sort_keys=True))
+    else:
+        click.echo(
+            f"fenced {outcome.fenced.id} (epoch {outcome.fenced.epoch}) at revision "
+            f"{outcome.revision}"
+        )
+        if outcome.successor is not None:
+            took = outcome.promoted_after or 0.0
+            click.echo(
+                f"new leader of {role!r}: {outcome.successor.id} "
+                f"(epoch {outcome.successor.epoch}) after {took * 1000:.0f} ms"
+            )
+        elif wait > 0:
+            click.echo(f"no new leader of {role!r} within {wait:g}s", err=True)
+    ctx.exit(EXIT_OK)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -88,5 +88,8 @@ BUCKET_PATTERN = re.compile(r"^[a-zA-Z0-9_-]+$")
 #: Default NATS server URL.
 DEFAULT_SERVERS = ("nats://127.0.0.1:4222",)
 
+#: The ``id`` of a fence marker (an operator ended a term; nobody leads).
+FENCE_ID = "fenced"
+
 #: Version of the JSON record layout, written into every record.
 RECORD_VERSION = 1

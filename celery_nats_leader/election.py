@@ -136,6 +136,9 @@ class Election(BaseElection):
         self._expiry_retry_until = 0.0
         self._last_read_at = 0.0
         self._bad_record_revision = 0
+        # Revision of an operator's fence marker: the key is vacant, and a
+        # campaign takes it with an update at exactly that revision.
+        self._vacant_revision = 0
         self._issued_tokens: deque[str] = deque(maxlen=_REMEMBERED_TOKENS)
         self._roster: dict[str, int] = {}
 
@@ -288,7 +291,13 @@ class Election(BaseElection):
                     self.role,
                     token,
                 )
-                reason = DemoteReason.KEY_DELETED if entry is None else DemoteReason.TOKEN_MISMATCH
+                reason = (
+                    DemoteReason.KEY_DELETED
+                    if entry is None
+                    else DemoteReason.FENCED
+                    if record is not None and record.is_fence
+                    else DemoteReason.TOKEN_MISMATCH
+                )
                 self._demote(reason)
             return False
         return self.is_leader and self._token is token
@@ -395,8 +404,15 @@ class Election(BaseElection):
         self._observed_present = present
         self._observed_at = now
         self._expiry_retry_until = 0.0
-        if present and entry is not None:
-            record = self._decode(entry)
+        self._vacant_revision = 0
+        record = self._decode(entry) if present and entry is not None else None
+        if record is not None and record.is_fence and entry is not None:
+            # An operator ended the term: nobody leads; campaign now (after
+            # jitter), without waiting for the marker to expire.
+            self._leader = None
+            self._vacant_revision = entry.revision
+            self._campaign_at = now + self._campaign_delay()
+        elif present and entry is not None:
             self._leader = record
             # It can only have expired TTL after we first saw it.
             self._campaign_at = now + self.config.ttl + self._campaign_delay()
@@ -432,6 +448,8 @@ class Election(BaseElection):
             reason = (
                 DemoteReason.KEY_DELETED
                 if entry.operation is not Operation.PUT
+                else DemoteReason.FENCED
+                if record is not None and record.is_fence
                 else DemoteReason.REVISION_CHANGED
             )
             logger.warning("%s: the key was written by someone else; stepping down", self.role)
@@ -503,12 +521,23 @@ class Election(BaseElection):
         # winner's record while our create is in flight; that record must not
         # be mistaken for the one we expected to expire.
         expected = (self._observed_revision, self._observed_present)
+        vacant = self._vacant_revision if self._observed_present else 0
         send = self._clock.monotonic()
         try:
-            revision = await self._bucket.create(
-                cfg.role, self._record_bytes(token_value, None), timeout=cfg.request_timeout
-            )
-        except KeyExistsError:
+            if vacant:
+                # A fence marker holds the key: take it only at its revision,
+                # so exactly one candidate wins, as with a create.
+                revision = await self._bucket.update(
+                    cfg.role,
+                    self._record_bytes(token_value, None),
+                    last=vacant,
+                    timeout=cfg.request_timeout,
+                )
+            else:
+                revision = await self._bucket.create(
+                    cfg.role, self._record_bytes(token_value, None), timeout=cfg.request_timeout
+                )
+        except (KeyExistsError, RevisionMismatchError):
             self._observer.campaign(self.role, self.instance_id, False)
             await self._after_lost_campaign(*expected)
             return
@@ -534,7 +563,7 @@ class Election(BaseElection):
             self._set_state(ElectionState.FOLLOWER)
             self._campaign_at = self._clock.monotonic() + min(0.25, cfg.heartbeat_interval / 4)
             return
-        except (BackendError, RevisionMismatchError) as exc:
+        except BackendError as exc:
             logger.debug("%s: campaign failed: %s", self.role, exc)
             self._set_state(ElectionState.FOLLOWER)
             self._retry_later()
@@ -719,6 +748,10 @@ class Election(BaseElection):
         self._token = None
         self._lease_deadline = 0.0
         self._cancel_deadline_timer()
+        if reason is DemoteReason.FENCED:
+            # The operator fenced this process because it was stuck: let a
+            # live candidate take the role rather than campaign again at once.
+            self._sit_out_until = self._clock.monotonic() + self.config.ttl
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: demoted (%s)", self.role, reason.value)
         self._stop_health_watch()
@@ -855,7 +888,13 @@ class Election(BaseElection):
                 self._backoff.failure(), cfg.heartbeat_interval / 2
             )
         self._observe(entry, authoritative=True)
-        reason = DemoteReason.KEY_DELETED if entry is None else DemoteReason.REVISION_CHANGED
+        reason = (
+            DemoteReason.KEY_DELETED
+            if entry is None
+            else DemoteReason.FENCED
+            if record is not None and record.is_fence
+            else DemoteReason.REVISION_CHANGED
+        )
         logger.warning("%s: the key no longer holds our term; stepping down", self.role)
         self._demote(reason)
         return send

@@ -78,6 +78,8 @@ class DemoteReason(str, enum.Enum):
     """The NATS connection was down longer than the disconnect grace."""
     HEALTH_CHECK_FAILED = "health_check_failed"
     """The health check failed too many times in a row."""
+    FENCED = "fenced"
+    """An operator fenced the term (``nats-leader fence``): it ended at once."""
     ERROR = "error"
     """A permanent error (bucket deleted, permission denied) ended the election."""
 
