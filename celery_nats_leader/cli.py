@@ -99,6 +99,10 @@ def _table(statuses: Sequence[RoleStatus], configured: Sequence[str]) -> str:
         leader = status.leader_id or ("-- none --" if status.role in configured else "-")
         if status.problem:
             leader = f"?? {status.problem}"
+        elif status.silent:
+            leader = f"{leader} (not answering)"
+        elif status.fenced is not None:
+            leader = "-- fenced --"
         rows.append(
             (
                 status.role,
@@ -141,17 +145,25 @@ def nats_leader() -> None:
     show_default=True,
     help="Seconds to collect the live candidates' own answers (term age, lease).",
 )
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Also exit 1 when a configured role's leader does not answer (paused, hung, dead).",
+)
 @click.pass_context
 def status(
     ctx: click.Context,
+    *,
     as_json: bool,
     timeout: float,
     extra_roles: tuple[str, ...],
     window: float,
+    strict: bool,
 ) -> None:
     """Print every role of the bucket with its leader and term.
 
-    Exits 1 when a configured role (nats_leader_roles, plus --role) has no leader.
+    Exits 1 when a configured role (nats_leader_roles, plus --role) has no
+    leader, or with --strict when its leader does not answer.
     """
     settings = _settings(ctx)
     configured = list(dict.fromkeys([*settings.roles, *extra_roles]))
@@ -163,20 +175,25 @@ def status(
         )
         ctx.exit(EXIT_ERROR)
     leaderless = [s.role for s in statuses if s.role in configured and not s.has_leader]
+    silent = [s.role for s in statuses if s.role in configured and s.silent]
     if as_json:
         body = {
             "bucket": settings.bucket,
             "configured_roles": configured,
             "leaderless": leaderless,
+            "silent": silent,
             "roles": [s.to_dict() for s in statuses],
         }
         click.echo(json.dumps(body, indent=2, sort_keys=True, default=str))
     else:
         click.echo(f"bucket {settings.bucket!r} on {', '.join(settings.servers)}")
         click.echo(_table(statuses, configured))
+        for one in statuses:
+            if one.note:
+                click.echo(f"{one.role}: {one.leader_id or 'nobody leads'}: {one.note}")
         if leaderless:
             click.echo(f"no leader: {', '.join(leaderless)}", err=True)
-    ctx.exit(EXIT_NO_LEADER if leaderless else EXIT_OK)
+    ctx.exit(EXIT_NO_LEADER if leaderless or (strict and silent) else EXIT_OK)
 
 
 @nats_leader.command()

@@ -308,12 +308,17 @@ class Election(BaseElection):
         Returns:
             A JSON-serializable dict: ``id``, ``role``, ``state``, ``priority``,
             ``is_leader``, ``epoch``, ``revision``, ``term_age``,
-            ``lease_remaining``, ``lease_margin``, ``last_heartbeat_age``, ``leader_id``, ``meta``.
+            ``lease_remaining``, ``lease_margin``, ``last_heartbeat_age``, ``leader_id``, ``meta``,
+            and, while another process's record holds the key, ``observed_revision``
+            and ``leader_expires_within``: the longest that record can last
+            without renewal, from when this process first saw it (its own clock).
 
         """
         now = self._clock.monotonic()
         leading = self.is_leader
         token = self._token if leading else None
+        # The record was stored before we saw it, so it expires by then + TTL.
+        watching = not leading and self._observed_present and self._leader is not None
         return {
             "id": self.instance_id,
             "role": self.role,
@@ -328,6 +333,10 @@ class Election(BaseElection):
             "last_heartbeat_age": round(now - self._last_confirmed_send, 3) if leading else None,
             "leader_id": self.leader_id,
             "meta": dict(self.config.meta),
+            "observed_revision": self._observed_revision if watching else None,
+            "leader_expires_within": (
+                round(max(0.0, self._observed_at + self.config.ttl - now), 3) if watching else None
+            ),
         }
 
     # ------------------------------------------------------------ plumbing

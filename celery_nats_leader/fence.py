@@ -52,6 +52,8 @@ class FenceOutcome:
         fenced: The term that ended (the leader's record as observed).
         revision: Revision of the fence marker: every term after it has a
             larger epoch, and a fence in a resource can be raised to it.
+        token: The marker's own random token (``FencingToken(revision, token)``
+            raises a resource's fence without naming any leader's term).
         successor: The next leader's record, if one was seen within ``wait``.
         promoted_after: Seconds from the fence write to the successor's
             record arriving here (this host's monotonic clock), or ``None``.
@@ -61,6 +63,7 @@ class FenceOutcome:
     role: str
     fenced: LeaderRecord
     revision: int
+    token: str = ""
     successor: LeaderRecord | None = None
     promoted_after: float | None = None
 
@@ -144,8 +147,9 @@ async def fence_leader(
                     f"the term of role {role!r} is epoch {target.epoch}, not {epoch}; "
                     "nothing fenced"
                 )
+            marker_token = str(uuid.uuid4())
             marker = encode_fence(
-                token=str(uuid.uuid4()),
+                token=marker_token,
                 fenced_id=target.id,
                 fenced_epoch=target.epoch,
                 by=requester,
@@ -189,6 +193,7 @@ async def fence_leader(
             role=role,
             fenced=target,
             revision=fence_revision,
+            token=marker_token,
             successor=successor,
             promoted_after=None if successor is None else round(time.monotonic() - started, 4),
         )

@@ -155,6 +155,11 @@ class StatusReport:
         """Whether every configured role has a leader."""
         return not self.leaderless
 
+    @property
+    def silent(self) -> list[str]:
+        """Configured roles whose leader did not answer (paused, hung or dead)."""
+        return [s.role for s in self.roles if s.role in self.configured_roles and s.silent]
+
     def to_dict(self) -> dict[str, Any]:
         """The ``election_status --json`` document (see the README's Django section)."""
         return {
@@ -163,6 +168,7 @@ class StatusReport:
             "servers": list(self.servers),
             "configured_roles": list(self.configured_roles),
             "leaderless": self.leaderless,
+            "silent": self.silent,
             "healthy": self.healthy,
             "roles": [
                 role_to_dict(s, configured=s.role in self.configured_roles) for s in self.roles
@@ -193,6 +199,10 @@ def role_to_dict(status: RoleStatus, *, configured: bool) -> dict[str, Any]:
         "leader_meta": dict(status.leader_meta),
         "candidates": [candidate_to_dict(cand) for cand in status.candidates],
         "problem": status.problem,
+        "answering": status.answering,
+        "expires_within": status.expires_within,
+        "fenced": status.fenced,
+        "note": status.note,
     }
 
 

@@ -71,6 +71,7 @@ class RoleRow:
         host: The leader's host and pid.
         problem: Why the key could not be read, if so.
         candidates: The live candidates.
+        note: What else an operator should know (a leader not answering, a fence).
 
     """
 
@@ -84,6 +85,7 @@ class RoleRow:
     host: str
     problem: str
     candidates: tuple[CandidateRow, ...]
+    note: str = ""
 
 
 def _host(meta: dict[str, Any]) -> str:
@@ -124,6 +126,7 @@ def _role_row(status: RoleStatus, configured: bool) -> RoleRow:
         host=_host(status.leader_meta),
         problem=status.problem or "",
         candidates=candidates,
+        note=status.note or "",
     )
 
 
@@ -171,6 +174,9 @@ def status_text(
         if rows
         else "no roles yet"
     )
+    silent = sum(1 for s in report.roles if s.silent)
+    if silent:
+        summary += f", {silent} leader{'s' if silent != 1 else ''} not answering"
     lines = [head(f"Bucket {report.bucket!r} on {', '.join(report.servers)}: {summary}"), ""]
     lines += _table(
         ("ROLE", "LEADER", "EPOCH", "TERM AGE", "EXPIRES IN", "HOST"),
@@ -189,6 +195,8 @@ def status_text(
     )
     for r in rows:
         lines.append("")
+        if r.note:
+            lines.append((bad or head)(f"{r.role}: {r.leader}: {r.note}"))
         if not r.candidates:
             lines.append(head(f"{r.role}: no live candidate answered"))
             continue
