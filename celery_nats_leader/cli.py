@@ -7,6 +7,7 @@ the app's configuration::
     celery -A proj nats-leader status --json     # machine-readable
     celery -A proj nats-leader resign reports    # ask the leader of "reports" to step down
     celery -A proj nats-leader fence reports     # end a stuck leader's term now
+    celery -A proj nats-leader events --follow   # every transition, as it happens
 
 Exit codes: 0 all right; 1 a configured role has no leader (``status``) or no
 leader accepted (``resign``); 2 the elections could not be read (NATS
@@ -33,6 +34,8 @@ from celery_nats_leader.backend.jetstream import JetStreamBackend
 from celery_nats_leader.connection import connect
 from celery_nats_leader.election import control_subject
 from celery_nats_leader.errors import ElectionError, NotLeaderError
+from celery_nats_leader.event_log import show_events
+from celery_nats_leader.events import TransitionEvent
 from celery_nats_leader.fence import FenceOutcome, fence_leader
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.status import RoleStatus, read_status
@@ -294,6 +297,87 @@ def fence(
             )
         elif wait > 0:
             click.echo(f"no new leader of {role!r} within {wait:g}s", err=True)
+    ctx.exit(EXIT_OK)
+
+
+async def _events(
+    settings: LeaderSettings,
+    *,
+    role: str | None,
+    follow: bool,
+    limit: int | None,
+    count: int | None,
+    as_json: bool,
+    timeout: float,
+) -> bool:
+    def emit(event: TransitionEvent) -> None:
+        text = json.dumps(event.to_dict(), sort_keys=True) if as_json else event.describe()
+        click.echo(text)
+
+    nc = await connect(settings.connection, timeout=timeout, name="celery-nats-leader-cli")
+    try:
+        return await show_events(
+            JetStreamBackend(nc),
+            settings.bucket,
+            emit,
+            role=role,
+            follow=follow,
+            limit=limit,
+            count=count,
+            timeout=timeout,
+        )
+    finally:
+        await nc.close()
+
+
+@nats_leader.command()
+@click.option("--role", default=None, help="Only this role's events.")
+@click.option("--follow", is_flag=True, help="Keep printing events as they happen (Ctrl-C stops).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--limit", type=int, default=None, help="Only the newest N kept events.")
+@click.option("--count", type=int, default=None, help="With --follow: stop after N live events.")
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds per NATS operation.")
+@click.pass_context
+def events(
+    ctx: click.Context,
+    *,
+    role: str | None,
+    follow: bool,
+    as_json: bool,
+    limit: int | None,
+    count: int | None,
+    timeout: float,
+) -> None:
+    """Print the leadership transitions: promoted, demoted (why), released, resigned, fenced.
+
+    The history comes from the bucket's events stream when an operator created
+    one (``manage.py election_bucket --create --events-max-age``); live events
+    (--follow) need nothing but NATS.
+    """
+    settings = _settings(ctx)
+    try:
+        kept = asyncio.run(
+            _events(
+                settings,
+                role=role,
+                follow=follow,
+                limit=limit,
+                count=count,
+                as_json=as_json,
+                timeout=timeout,
+            )
+        )
+    except KeyboardInterrupt:
+        ctx.exit(EXIT_OK)
+    except ElectionError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+    if not kept:
+        click.echo(
+            f"no events stream for bucket {settings.bucket!r}: only live events (--follow) "
+            "can be shown",
+            err=True,
+        )
     ctx.exit(EXIT_OK)
 
 

@@ -74,6 +74,14 @@ CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS = 30.0
 #: requests). Layout: ``{prefix}.{bucket}.{role}.{verb}``.
 CONTROL_SUBJECT_PREFIX = "_NATS_LEADER"
 ROSTER_VERB = "roster"
+
+#: Transition events: ``{prefix}.{bucket}.{role}`` (the role last: it may
+#: contain dots), kept by the optional stream ``{stream prefix}{bucket}``.
+EVENTS_SUBJECT_PREFIX = "_NATS_LEADER_EVENTS"
+EVENTS_STREAM_PREFIX = "NATS_LEADER_EVENTS_"
+
+#: Events an election keeps while it cannot publish them (disconnected).
+EVENT_BUFFER = 64
 RESIGN_VERB = "resign"
 
 #: How long a roster request collects answers from live candidates, seconds.

@@ -249,7 +249,7 @@ class Election(BaseElection):
             self._lease_deadline = 0.0
             self._cancel_deadline_timer()
             self._set_state(ElectionState.STOPPED)
-            await self._callbacks.submit(self._demote_callbacks, DemoteReason.STOPPED)
+            await self._notify_demoted(DemoteReason.STOPPED)
             if self.config.release_on_stop:
                 # Conditional on our revision: never deletes a successor's record.
                 await self._delete_own_key(token, revision)
@@ -702,7 +702,7 @@ class Election(BaseElection):
         logger.info("%s: promoted, epoch %d", self.role, token.epoch)
         if not already_reported:
             self._callbacks.submit(self._change_callbacks, self._leader)
-        self._callbacks.submit(self._promote_callbacks, token)
+        self._notify_promoted(token)
         self._watch_health(token)
 
     def _confirm(self, send: float) -> None:
@@ -764,7 +764,7 @@ class Election(BaseElection):
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: demoted (%s)", self.role, reason.value)
         self._stop_health_watch()
-        self._callbacks.submit(self._demote_callbacks, reason)
+        self._notify_demoted(reason)
         self.wake()
 
     async def _lead(self) -> None:
@@ -922,7 +922,7 @@ class Election(BaseElection):
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: stepping down (%s)", self.role, reason.value)
         self._stop_health_watch()
-        await self._callbacks.submit(self._demote_callbacks, reason)
+        await self._notify_demoted(reason)
         await self._delete_own_key(token, revision)
         self.wake()
 

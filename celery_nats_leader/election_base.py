@@ -27,6 +27,7 @@ import enum
 import json
 import logging
 import random
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
@@ -39,6 +40,7 @@ from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.connection import ConnectionListener, ConnectOptions, connect
 from celery_nats_leader.errors import ElectionError, ElectionStoppedError
+from celery_nats_leader.events import EventKind, TransitionEvent, event_subject, kind_of
 from celery_nats_leader.health import watch_health
 from celery_nats_leader.observer import ElectionObserver, NullObserver
 from celery_nats_leader.record import LeaderRecord
@@ -199,6 +201,13 @@ class BaseElection(abc.ABC):
         self._main_task: asyncio.Task[None] | None = None
         self._subscriptions: list[Subscription] = []
 
+        # The event trail: transitions waiting to be published, in order.
+        self._events: deque[bytes] = deque(maxlen=c.EVENT_BUFFER)
+        self._event_seq = 0
+        self._event_epoch: int | None = None
+        self._event_task: asyncio.Task[None] | None = None
+        self._born = self._clock.monotonic()
+
     # ------------------------------------------------------------------ API
 
     @property
@@ -268,6 +277,8 @@ class BaseElection(abc.ABC):
 
     def wake(self) -> None:
         """Re-evaluate now; called when the connection goes down or comes back."""
+        if self._events:
+            self._schedule_event_flush()
         if self._wake is not None:
             self._wake.set()
         if self._waiter is not None:
@@ -446,6 +457,11 @@ class BaseElection(abc.ABC):
         return self._backend
 
     async def _teardown(self) -> None:
+        # The last events (the release of a stop) go out before the connection closes.
+        if self._event_task is not None:
+            with contextlib.suppress(Exception):
+                await self._event_task
+        await self._flush_events()
         await self._unsubscribe_all()
         self._stop_health_watch()
         await self._callbacks.stop()
@@ -501,6 +517,63 @@ class BaseElection(abc.ABC):
             timer.cancel()
             self._waiter = None
             self._wake.clear()
+
+    # ------------------------------------------------------------ events
+
+    def _notify_promoted(self, token: FencingToken) -> asyncio.Future[None]:
+        """Publish the ``promoted`` event, then run the promote callbacks."""
+        self._event_epoch = token.epoch
+        self._emit(EventKind.PROMOTED, None, 0.0)
+        return self._callbacks.submit(self._promote_callbacks, token)
+
+    def _notify_demoted(self, reason: DemoteReason) -> asyncio.Future[None]:
+        """Publish the end of the term (its kind follows ``reason``), then run the callbacks."""
+        term_age = round(self._clock.monotonic() - self._term_started_at, 3)
+        self._emit(kind_of(reason.value), reason.value, term_age)
+        return self._callbacks.submit(self._demote_callbacks, reason)
+
+    def _emit(self, kind: EventKind, reason: str | None, term_age: float) -> None:
+        """Queue one transition event; published in order, never on the renewal path."""
+        cfg = self.config
+        self._event_seq += 1
+        event = TransitionEvent(
+            event=kind,
+            bucket=cfg.bucket,
+            role=cfg.role,
+            id=cfg.instance_id,
+            epoch=self._event_epoch,
+            reason=reason,
+            seq=self._event_seq,
+            uptime=round(self._clock.monotonic() - self._born, 3),
+            term_age=term_age,
+            meta=dict(cfg.meta),
+        )
+        self._events.append(event.encode())
+        self._schedule_event_flush()
+
+    def _schedule_event_flush(self) -> None:
+        if self._event_task is not None and not self._event_task.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not on the loop (a wake from another thread): the next event flushes
+        self._event_task = loop.create_task(
+            self._flush_events(), name=f"{self._name_prefix}-events-{self.role}"
+        )
+
+    async def _flush_events(self) -> None:
+        """Publish the queued events in order; keep them while disconnected."""
+        backend = self._backend
+        subject = event_subject(self.config.bucket, self.config.role)
+        while self._events and backend is not None and backend.is_connected:
+            try:
+                await backend.publish(subject, self._events[0])
+            except Exception as exc:  # an event must never break the election
+                self._logger.debug("%s: could not publish an event: %s", self.role, exc)
+                return
+            if self._events:
+                self._events.popleft()
 
     def _lease_valid(self) -> bool:
         return self._clock.monotonic() < self._lease_deadline
