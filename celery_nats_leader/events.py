@@ -163,7 +163,11 @@ class TransitionEvent:
     def describe(self) -> str:
         """One line for people: ``reports  epoch 412  demoted (lease_expired)  web-3:...``."""
         what = self.event.value if self.reason is None else f"{self.event.value} ({self.reason})"
-        term = "" if self.term_age is None else f"  after {self.term_age:.1f}s"
+        term = (
+            ""
+            if self.term_age is None or self.event is EventKind.PROMOTED
+            else f"  after {self.term_age:.1f}s"
+        )
         when = f"{self.stored_at}  " if self.stored_at else ""
         return f"{when}{self.role}  epoch {self.epoch}  {what}  {self.id}{term}"
 
