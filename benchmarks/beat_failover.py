@@ -304,7 +304,7 @@ class Run:
         ]
         if self.label == "celery-nats-leader":
             # Exact: tick identities are slots; count the slots never sent.
-            from celery_nats_leader.beat_ticks import parse_slot
+            from celery_nats_leader.beat.ticks import parse_slot
 
             slots = sorted(
                 {parse_slot(d["tick"]) for d in self.dispatches() if d["entry"] == "bench-0"}

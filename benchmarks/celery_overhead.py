@@ -35,15 +35,15 @@ from typing import Any
 
 from celery import Celery
 
-from celery_nats_leader import worker_state
-from celery_nats_leader.backend.jetstream import JetStreamBackend
-from celery_nats_leader.connection import ConnectOptions, connect
 from celery_nats_leader.loop_thread import EventLoopThread
+from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.record import encode_record
 from celery_nats_leader.settings import LeaderSettings
-from celery_nats_leader.tasks import LeaderOptions, _Binding, _run_guarded
 from celery_nats_leader.testing import NatsServer
-from celery_nats_leader.worker_service import LeaderService
+from celery_nats_leader.worker import state as worker_state
+from celery_nats_leader.worker.service import LeaderService
+from celery_nats_leader.worker.tasks import LeaderOptions, _Binding, _run_guarded
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_APP_DIR = ROOT / "tests" / "celery"

@@ -4,8 +4,8 @@ One leader per *role*, fenced by a monotonic token, handed over in
 milliseconds on a clean stop and within the TTL after a crash.
 
 The core (this package's top level) imports neither Celery nor Django. The
-Celery integration lives in :mod:`celery_nats_leader.bootstep`,
-:mod:`celery_nats_leader.tasks` and :mod:`celery_nats_leader.beat`; its main
+Celery integration lives in :mod:`celery_nats_leader.worker.bootstep`,
+:mod:`celery_nats_leader.worker.tasks` and :mod:`celery_nats_leader.beat`; its main
 names are importable from here too, lazily, so that importing the core never
 imports Celery.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.connection import ConnectOptions
 from celery_nats_leader.election import DemoteReason, Election, ElectionState
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import (
@@ -33,20 +32,21 @@ from celery_nats_leader.errors import (
     NotLeaderError,
     PermissionDeniedError,
 )
+from celery_nats_leader.nats.connection import ConnectOptions
+from celery_nats_leader.ops.status import RoleStatus, read_status
 from celery_nats_leader.record import LeaderRecord
-from celery_nats_leader.status import RoleStatus, read_status
 from celery_nats_leader.token import FencingToken
 
 __version__ = "0.1.0"
 
 #: Celery-side names, imported on first use (they import Celery).
 _LAZY = {
-    "install": "celery_nats_leader.bootstep",
-    "NatsLeaderBootstep": "celery_nats_leader.bootstep",
-    "leader_only": "celery_nats_leader.tasks",
-    "LeaderTask": "celery_nats_leader.tasks",
-    "leader_promoted": "celery_nats_leader.signals",
-    "leader_demoted": "celery_nats_leader.signals",
+    "install": "celery_nats_leader.worker.bootstep",
+    "NatsLeaderBootstep": "celery_nats_leader.worker.bootstep",
+    "leader_only": "celery_nats_leader.worker.tasks",
+    "LeaderTask": "celery_nats_leader.worker.tasks",
+    "leader_promoted": "celery_nats_leader.worker.signals",
+    "leader_demoted": "celery_nats_leader.worker.signals",
     "LeaderScheduler": "celery_nats_leader.beat",
     "LeaderSchedulerMixin": "celery_nats_leader.beat",
 }

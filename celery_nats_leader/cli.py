@@ -30,15 +30,15 @@ from typing import Any
 import click
 
 from celery_nats_leader import constants as c
-from celery_nats_leader.backend.jetstream import JetStreamBackend
-from celery_nats_leader.connection import connect
 from celery_nats_leader.election import control_subject
 from celery_nats_leader.errors import ElectionError, NotLeaderError
-from celery_nats_leader.event_log import show_events
 from celery_nats_leader.events import TransitionEvent
-from celery_nats_leader.fence import FenceOutcome, fence_leader
+from celery_nats_leader.nats.connection import connect
+from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.ops.events import show_events
+from celery_nats_leader.ops.fence import FenceOutcome, fence_leader
+from celery_nats_leader.ops.status import RoleStatus, read_status
 from celery_nats_leader.settings import LeaderSettings
-from celery_nats_leader.status import RoleStatus, read_status
 
 __all__ = ["nats_leader"]
 

@@ -17,13 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from celery_nats_leader import constants as c
-from celery_nats_leader.allcall_protocol import (
-    DEFAULT_HEARTBEAT_SECONDS as ALLCALL_DEFAULT_HEARTBEAT_SECONDS,
-)
-from celery_nats_leader.allcall_protocol import (
-    DEFAULT_MAX_CLOCK_SKEW_SECONDS,
-    MAX_CLOCK_SKEW_FRACTION_OF_TTL,
-)
 from celery_nats_leader.errors import ConfigError
 
 #: A health check: returns ``True`` when this process is fit to lead.
@@ -175,7 +168,7 @@ class ElectionConfig:
     strategy: Strategy = "kv"
     """Election strategy: ``"kv"`` (JetStream KV, default, CP) or ``"allcall"``."""
 
-    max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW_SECONDS
+    max_clock_skew: float = c.ALLCALL_DEFAULT_MAX_CLOCK_SKEW_SECONDS
     """``strategy="allcall"`` only (ignored by KV): the largest difference, in
     seconds, between the wall clocks of any two candidate hosts. ALLCALL
     compares lease expiry times across hosts; it is only safe while clocks
@@ -198,7 +191,7 @@ class ElectionConfig:
         allcall = self.strategy == "allcall"
         default_heartbeat = ttl / c.HEARTBEATS_PER_TTL
         if allcall:
-            default_heartbeat = min(ALLCALL_DEFAULT_HEARTBEAT_SECONDS, default_heartbeat)
+            default_heartbeat = min(c.ALLCALL_DEFAULT_HEARTBEAT_SECONDS, default_heartbeat)
         heartbeat = _seconds("heartbeat_interval", self.heartbeat_interval) or default_heartbeat
         if ttl < c.MIN_HEARTBEATS_PER_TTL * heartbeat - 1e-9:
             raise ConfigError(
@@ -248,11 +241,11 @@ class ElectionConfig:
         if not isinstance(self.meta, Mapping):
             raise ConfigError("meta must be a mapping of JSON-serializable values")
         skew = _seconds("max_clock_skew", self.max_clock_skew)
-        if allcall and skew > ttl * MAX_CLOCK_SKEW_FRACTION_OF_TTL:
-            limit = ttl * MAX_CLOCK_SKEW_FRACTION_OF_TTL
+        if allcall and skew > ttl * c.ALLCALL_MAX_CLOCK_SKEW_FRACTION_OF_TTL:
+            limit = ttl * c.ALLCALL_MAX_CLOCK_SKEW_FRACTION_OF_TTL
             raise ConfigError(
                 f"max_clock_skew={skew} is out of range: it must be between 0 and "
-                f"ttl * {MAX_CLOCK_SKEW_FRACTION_OF_TTL} = {limit:g} seconds; "
+                f"ttl * {c.ALLCALL_MAX_CLOCK_SKEW_FRACTION_OF_TTL} = {limit:g} seconds; "
                 "synchronize the hosts' clocks (NTP) or raise ttl"
             )
         resolved = {

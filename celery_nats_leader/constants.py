@@ -101,3 +101,14 @@ FENCE_ID = "fenced"
 
 #: Version of the JSON record layout, written into every record.
 RECORD_VERSION = 1
+
+#: ALLCALL: seconds between allcalls when ``heartbeat_interval`` is not
+#: configured (the seed's heartBeat), capped at ``ttl / 4`` for short leases.
+ALLCALL_DEFAULT_HEARTBEAT_SECONDS = 1.0
+
+#: ALLCALL: the seed's maxClockSkew, the largest difference, in seconds,
+#: between the wall clocks of any two hosts that ALLCALL tolerates.
+ALLCALL_DEFAULT_MAX_CLOCK_SKEW_SECONDS = 1.0
+
+#: ALLCALL: ``max_clock_skew`` may be at most this fraction of the lease.
+ALLCALL_MAX_CLOCK_SKEW_FRACTION_OF_TTL = 0.5

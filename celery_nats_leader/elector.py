@@ -23,11 +23,10 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client
 
-from celery_nats_leader.backend.base import Backend, Bucket
+from celery_nats_leader.backend import Backend, Bucket
 from celery_nats_leader.backoff import Backoff
 from celery_nats_leader.clock import Clock
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.connection import ConnectionListener, ConnectOptions, connect
 from celery_nats_leader.election import (
     DemoteCallback,
     ElectionState,
@@ -35,12 +34,13 @@ from celery_nats_leader.election import (
     LeaderChangeCallback,
     PromoteCallback,
 )
+from celery_nats_leader.election.interface import LeaderElection, new_election
+from celery_nats_leader.election.observer import ElectionObserver
 from celery_nats_leader.errors import ConfigError, ElectionError, NatsUnavailableError
-from celery_nats_leader.interface import LeaderElection, new_election
 from celery_nats_leader.loop_thread import EventLoopThread
-from celery_nats_leader.observer import ElectionObserver
+from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, connect
+from celery_nats_leader.ops.status import RoleStatus, read_status
 from celery_nats_leader.record import LeaderRecord
-from celery_nats_leader.status import RoleStatus, read_status
 from celery_nats_leader.token import FencingToken
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class Elector(ConnectionListener):
     Args:
         servers: NATS URL(s): a string (comma-separated) or a sequence.
         connect_options: Extra :func:`nats.connect` options (TLS, credentials,
-            token, nkeys, ...); see :class:`~celery_nats_leader.connection.ConnectOptions`.
+            token, nkeys, ...); see :class:`~celery_nats_leader.nats.connection.ConnectOptions`.
         name: Connection name (visible in the server's monitoring).
         observer: Receives every role's measurements (metrics).
         clock: Monotonic clock (tests).
@@ -313,7 +313,7 @@ class Elector(ConnectionListener):
             if self._backend_factory is not None:
                 self._backend = self._backend_factory()
             else:
-                from celery_nats_leader.backend.jetstream import JetStreamBackend
+                from celery_nats_leader.nats.jetstream import JetStreamBackend
 
                 self._connection = await connect(
                     self.connect_options, listeners=[self], timeout=timeout, name=self._name
@@ -444,7 +444,7 @@ class Elector(ConnectionListener):
             timeout: Seconds to wait.
 
         Returns:
-            One :class:`~celery_nats_leader.status.RoleStatus` per role.
+            One :class:`~celery_nats_leader.ops.status.RoleStatus` per role.
 
         """
         if self._backend is None:

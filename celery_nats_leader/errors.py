@@ -1,7 +1,7 @@
 """The exceptions of the package, under one root: :class:`ElectionError`.
 
 Errors coming from nats-py are translated into these in exactly one module,
-:mod:`celery_nats_leader.backend.jetstream`, always with ``raise ... from``
+:mod:`celery_nats_leader.nats.jetstream`, always with ``raise ... from``
 so the original stays visible.
 """
 

@@ -1,7 +1,7 @@
 """Prometheus metrics of the elections (extra ``metrics``: ``prometheus-client``).
 
 :class:`PrometheusObserver` implements the core's
-:class:`~celery_nats_leader.observer.ElectionObserver` hooks and keeps its
+:class:`~celery_nats_leader.election.observer.ElectionObserver` hooks and keeps its
 metrics in a registry of its own (so that several electors in one process, or
 in one test run, do not collide). The worker bootstep serves it on
 ``nats_leader_metrics_port``; any other program can pass it to an
@@ -44,7 +44,7 @@ HEARTBEAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 
 
 class PrometheusObserver:
-    """An :class:`~celery_nats_leader.observer.ElectionObserver` feeding Prometheus.
+    """An :class:`~celery_nats_leader.election.observer.ElectionObserver` feeding Prometheus.
 
     Args:
         registry: Where to register the metrics; a new private registry by default.

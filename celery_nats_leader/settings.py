@@ -22,9 +22,9 @@ from celery_nats_leader.config import (
     validate_bucket,
     validate_key,
 )
-from celery_nats_leader.connection import ConnectOptions
 from celery_nats_leader.constants import DEFAULT_BUCKET, DEFAULT_SERVERS, DEFAULT_TTL_SECONDS
 from celery_nats_leader.errors import ConfigError
+from celery_nats_leader.nats.connection import ConnectOptions
 
 #: Prefix of the settings in Celery's configuration.
 CELERY_PREFIX = "nats_leader_"

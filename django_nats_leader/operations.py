@@ -8,7 +8,7 @@ and closes it. They are one-shot operations, so running them with
 
 The bucket's settings are read through the JetStream API's request/reply
 subject (``$JS.API.STREAM.INFO.<stream>``) with the backend's generic
-``request``, so that :mod:`celery_nats_leader.backend.jetstream` stays the
+``request``, so that :mod:`celery_nats_leader.nats.jetstream` stays the
 only module importing nats-py's JetStream client.
 """
 
@@ -27,9 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from celery_nats_leader import constants as c
-from celery_nats_leader.backend.base import Backend, KVEntry, Operation
-from celery_nats_leader.backend.jetstream import JetStreamBackend
-from celery_nats_leader.connection import connect
+from celery_nats_leader.backend import Backend, KVEntry, Operation
 from celery_nats_leader.election import control_subject
 from celery_nats_leader.errors import (
     BackendError,
@@ -40,9 +38,11 @@ from celery_nats_leader.errors import (
     NotLeaderError,
     RecordFormatError,
 )
+from celery_nats_leader.nats.connection import connect
+from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.ops.status import RoleStatus, read_status
 from celery_nats_leader.record import LeaderRecord, decode_record
 from celery_nats_leader.settings import LeaderSettings
-from celery_nats_leader.status import RoleStatus, read_status
 
 logger = logging.getLogger(__name__)
 

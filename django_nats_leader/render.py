@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from celery_nats_leader.status import RoleStatus
+from celery_nats_leader.ops.status import RoleStatus
 from django_nats_leader.operations import StatusReport
 
 #: Styles a whole line (Django's ``self.style.SUCCESS`` and friends).

@@ -27,7 +27,7 @@ from typing import Any
 from django_celery_beat.schedulers import DatabaseScheduler
 
 from celery_nats_leader.beat import LeaderSchedulerMixin
-from celery_nats_leader.beat_state import EntryState
+from celery_nats_leader.beat.state import EntryState
 from celery_nats_leader.settings import LeaderSettings
 
 __all__ = ["LeaderDatabaseScheduler"]

@@ -17,8 +17,8 @@ import os
 from contextlib import ExitStack
 
 from celery_nats_leader import read_status
-from celery_nats_leader.backend.jetstream import JetStreamBackend
-from celery_nats_leader.connection import ConnectOptions, connect
+from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.testing import CandidateGroup
 
 ROLE = "demo"

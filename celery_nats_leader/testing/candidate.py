@@ -55,7 +55,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionError
-from celery_nats_leader.connection import ConnectionListener, ConnectOptions, connect
+from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, connect
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.testing.nats_server import _thread_states
 from celery_nats_leader.token import FencingToken

@@ -39,9 +39,9 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.test.utils import override_settings
 
-from celery_nats_leader.backend.jetstream import JetStreamBackend
-from celery_nats_leader.connection import ConnectOptions, connect
 from celery_nats_leader.errors import ElectionError
+from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.nats.jetstream import JetStreamBackend
 from django_nats_leader.operations import fetch_report, run_once
 from ticks.ledger import Run, Verdict, verify
 
@@ -200,7 +200,7 @@ class Demo:
         url = configured if isinstance(configured, str) else configured[0]
         url = url.split(",")[0].strip()
         # The probe's connection errors are expected when nothing listens.
-        quiet = logging.getLogger("celery_nats_leader.connection")
+        quiet = logging.getLogger("celery_nats_leader.nats.connection")
         level = quiet.level
         quiet.setLevel(logging.ERROR)
         try:

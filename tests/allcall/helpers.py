@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery_nats_leader import DemoteReason, ElectionConfig, FencingToken
-from celery_nats_leader.allcall import AllcallElection
-from celery_nats_leader.backend.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.clock import ManualClock
-from celery_nats_leader.connection import ConnectOptions
+from celery_nats_leader.election.allcall import AllcallElection
+from celery_nats_leader.nats.connection import ConnectOptions
+from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.record import LeaderRecord
 
 # Logical timings of the memory tests: binary fractions, so that sums of

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from celery_nats_leader import DemoteReason, ElectionConfig, ElectionState
-from celery_nats_leader.allcall import AllcallElection, Phase
-from celery_nats_leader.allcall_protocol import (
+from celery_nats_leader.election import Election, control_subject
+from celery_nats_leader.election.allcall import AllcallElection, Phase
+from celery_nats_leader.election.allcall_protocol import (
     ALLCALL_VERB,
     REPLY_VERB,
     Claim,
@@ -25,10 +26,9 @@ from celery_nats_leader.allcall_protocol import (
     decode_message,
     encode_message,
 )
-from celery_nats_leader.backend.memory import MemoryBackend
-from celery_nats_leader.election import Election, control_subject
+from celery_nats_leader.election.interface import new_election
 from celery_nats_leader.errors import ConfigError
-from celery_nats_leader.interface import new_election
+from celery_nats_leader.nats.memory import MemoryBackend
 from tests.allcall.helpers import HB, SKEW, STEP, T0, TTL, MemoryCluster, Node
 
 INIT = TTL + SKEW
@@ -262,7 +262,7 @@ async def test_a_claim_that_never_comes_back_makes_no_leader(
     await cluster.start(a)
     a.backend.blackholed = True
     await cluster.run_until(lambda: a.election.state is ElectionState.CANDIDATE, INIT + 2 * HB)
-    with caplog.at_level(logging.WARNING, logger="celery_nats_leader.allcall"):
+    with caplog.at_level(logging.WARNING, logger="celery_nats_leader.election.allcall"):
         await cluster.run_until(lambda: a.election.state is ElectionState.FOLLOWER, TTL)
     assert "never echoed" in caplog.text
     assert not a.promotions
@@ -527,7 +527,7 @@ async def test_kv_candidate_on_the_same_role_is_reported(
     a = cluster.add("a")
     await cluster.start(a)
     announcer = MemoryBackend(cluster.server)
-    with caplog.at_level(logging.ERROR, logger="celery_nats_leader.allcall"):
+    with caplog.at_level(logging.ERROR, logger="celery_nats_leader.election.allcall"):
         await announcer.publish(
             control_subject("leaders", "beat", "roster"), b'{"hello": {"id": "kv-1"}}'
         )

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from celery_nats_leader.allcall_protocol import (
+from celery_nats_leader.election.allcall_protocol import (
     Claim,
     Member,
     Message,

@@ -11,7 +11,7 @@ from cnl_beat_harness import BEAT_ROLE, FAILOVER, STATE_BUCKET, BeatCluster
 from cnl_beat_ledger import Run
 
 from celery_nats_leader.beat import tick_task_id
-from celery_nats_leader.beat_ticks import parse_slot, slot_text
+from celery_nats_leader.beat.ticks import parse_slot, slot_text
 
 UTC = timezone.utc
 

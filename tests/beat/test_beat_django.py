@@ -20,7 +20,7 @@ import pytest
 from cnl_beat_checks import check_exactly_once, check_gaps, check_terms
 from cnl_beat_harness import FAILOVER, TTL, BeatCluster, Database, wait_for
 
-from celery_nats_leader.beat_ticks import parse_slot
+from celery_nats_leader.beat.ticks import parse_slot
 
 pytestmark = [pytest.mark.integration, pytest.mark.celery, pytest.mark.timeout(300)]
 

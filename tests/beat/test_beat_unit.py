@@ -22,13 +22,7 @@ import pytest
 from celery import Celery
 from celery.schedules import crontab, schedule
 
-from celery_nats_leader.backend.base import KVEntry
-from celery_nats_leader.backend.memory import (
-    MemoryBackend,
-    MemoryServer,
-    _MemoryBucketState,
-    _Stored,
-)
+from celery_nats_leader.backend import KVEntry
 from celery_nats_leader.beat import (
     ENTRY_HEADER,
     RUN_HEADER,
@@ -38,14 +32,20 @@ from celery_nats_leader.beat import (
     check_dispatch_token,
     tick_task_id,
 )
-from celery_nats_leader.beat_state import EntryState, decode_state, encode_state, state_key
-from celery_nats_leader.beat_ticks import TickPlanner, next_slot, parse_slot, slot_text
+from celery_nats_leader.beat.state import EntryState, decode_state, encode_state, state_key
+from celery_nats_leader.beat.ticks import TickPlanner, next_slot, parse_slot, slot_text
 from celery_nats_leader.elector import Elector
 from celery_nats_leader.errors import (
     BucketConfigError,
     BucketNotFoundError,
     ConfigError,
     NatsUnavailableError,
+)
+from celery_nats_leader.nats.memory import (
+    MemoryBackend,
+    MemoryServer,
+    _MemoryBucketState,
+    _Stored,
 )
 from celery_nats_leader.record import encode_record
 from celery_nats_leader.settings import LeaderSettings
@@ -393,7 +393,7 @@ def test_the_lease_ending_before_the_send_hands_the_tick_back(make: Any, clock: 
     before = a.entry_states()["ten-seconds"]
     handle = a.beat_role
     assert handle is not None
-    store = a._nl_store
+    store = a.nats_leader_election.store
     assert store is not None
     real_update = store.update
     committed: list[Any] = []

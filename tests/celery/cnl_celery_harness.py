@@ -30,8 +30,8 @@ from typing import Any
 
 from cnl_celery_ledger import Ledger
 
-from celery_nats_leader.backend.jetstream import JetStreamBackend
-from celery_nats_leader.connection import ConnectOptions, connect
+from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.testing import NatsServer
 from celery_nats_leader.testing.services import wait_for
 

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 from cnl_celery_harness import Broker, Cluster, run_cli, wait_for
 
-from celery_nats_leader.backend.jetstream import JetStreamBackend
-from celery_nats_leader.connection import ConnectOptions, connect
+from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.record import encode_record
 
 pytestmark = [pytest.mark.celery, pytest.mark.integration]

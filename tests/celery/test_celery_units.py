@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_nats_leader import LeaderTask, install, leader_only, worker_state
+from celery_nats_leader import LeaderTask, install, leader_only
 from celery_nats_leader.errors import ConfigError
-from celery_nats_leader.tasks import leader_options, upgrade_tasks
-from celery_nats_leader.worker_state import SharedLeadership
+from celery_nats_leader.worker import state as worker_state
+from celery_nats_leader.worker.state import SharedLeadership
+from celery_nats_leader.worker.tasks import leader_options, upgrade_tasks
 
 
 @pytest.fixture

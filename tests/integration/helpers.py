@@ -28,7 +28,7 @@ from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 
 from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionError, FencingToken
-from celery_nats_leader.connection import ConnectOptions
+from celery_nats_leader.nats.connection import ConnectOptions
 from celery_nats_leader.record import LeaderRecord, decode_record
 from celery_nats_leader.testing import CandidateEvent, CandidateGroup, NatsServer
 

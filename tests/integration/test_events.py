@@ -13,10 +13,10 @@ import itertools
 import pytest
 from nats.aio.client import Client
 
-from celery_nats_leader.backend.jetstream import JetStreamBackend
-from celery_nats_leader.event_log import ensure_events_stream, read_events, show_events
 from celery_nats_leader.events import TransitionEvent
-from celery_nats_leader.fence import fence_leader
+from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.ops.events import ensure_events_stream, read_events, show_events
+from celery_nats_leader.ops.fence import fence_leader
 from celery_nats_leader.testing import CandidateGroup
 from tests.integration.helpers import BUCKET, ROLE, SLACK, TTL, in_thread
 

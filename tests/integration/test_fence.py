@@ -17,9 +17,9 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from celery_nats_leader.backend.jetstream import JetStreamBackend
 from celery_nats_leader.errors import NotLeaderError
-from celery_nats_leader.fence import fence_leader
+from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.ops.fence import fence_leader
 from celery_nats_leader.record import decode_record
 from celery_nats_leader.testing import CandidateGroup, NatsServer
 from tests.integration.helpers import ROLE, SLACK, KeyHistory, create_bucket, in_thread

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionState
-from celery_nats_leader.backend.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.clock import ManualClock
 from celery_nats_leader.errors import BucketNotFoundError, ElectionStoppedError
+from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.record import decode_record, encode_record
 
 TTL = 0.6

@@ -22,7 +22,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.config import validate_bucket
 from celery_nats_leader.errors import BucketNotFoundError, ConfigError, ElectionError
-from celery_nats_leader.event_log import StreamInfo, ensure_events_stream, stream_info
+from celery_nats_leader.ops.events import StreamInfo, ensure_events_stream, stream_info
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
 from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings

@@ -18,8 +18,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.errors import ElectionError
-from celery_nats_leader.event_log import show_events
 from celery_nats_leader.events import TransitionEvent
+from celery_nats_leader.ops.events import show_events
 from django_nats_leader.management.common import EXIT_ERROR, load_settings
 from django_nats_leader.operations import open_backend, operator_name, run_once
 

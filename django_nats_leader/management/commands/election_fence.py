@@ -1,7 +1,7 @@
 """``manage.py election_fence ROLE``: end a stuck leader's term at once.
 
 A conditional update at the observed revision replaces the leader's record
-with a fence marker (see :mod:`celery_nats_leader.fence`): every fenced check
+with a fence marker (see :mod:`celery_nats_leader.ops.fence`): every fenced check
 of the old term fails from then on, and a live candidate takes the role in
 milliseconds instead of after the TTL. The database fence
 (:func:`django_nats_leader.fencing.fenced`) of the role is raised to the
@@ -23,7 +23,7 @@ from django.db import DatabaseError
 
 from celery_nats_leader.config import validate_key
 from celery_nats_leader.errors import ConfigError, ElectionError, NotLeaderError
-from celery_nats_leader.fence import FenceOutcome, fence_leader
+from celery_nats_leader.ops.fence import FenceOutcome, fence_leader
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings

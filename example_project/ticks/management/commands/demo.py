@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 
 class Command(BaseCommand):
-    """Run the demo of the README (``scripts/demo``)."""
+    """Run the demo of the getting-started page (``scripts/demo``)."""
 
     help = (
         "Start a nats-server if none is reachable, three worker replicas with embedded beat, "

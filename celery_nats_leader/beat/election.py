@@ -1,0 +1,205 @@
+"""The beat role's election, as a scheduler sees it: start, follow, stop.
+
+:class:`BeatElection` hosts the beat role on one :class:`Elector` (one loop
+thread, one NATS connection), opens the schedule's state store, wakes the
+scheduler on a promotion or a demotion, and makes a scheduler that can never
+lead say so. It imports neither Celery nor Django.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from celery_nats_leader.beat.state import ScheduleStateStore
+from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.election import DemoteReason, ElectionState
+from celery_nats_leader.elector import Elector, RoleHandle
+from celery_nats_leader.errors import ElectionError
+from celery_nats_leader.record import LeaderRecord
+from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.token import FencingToken
+
+__all__ = ["BeatElection", "describe_leader"]
+
+logger = logging.getLogger(__name__)
+
+#: How often a scheduler that cannot lead says why, in seconds.
+WARNING_INTERVAL = 30.0
+
+
+def describe_leader(record: LeaderRecord | None) -> str:
+    """A leader record for a log line: its id, host and pid."""
+    if record is None:
+        return "nobody"
+    meta = record.meta
+    return f"{record.id} (host {meta.get('hostname', '?')}, pid {meta.get('pid', '?')})"
+
+
+class BeatElection:
+    """The beat role of one scheduler, and the store of the schedule's state.
+
+    Args:
+        settings: The scheduler's settings.
+        config: The beat role's election config (with the scheduler's meta).
+        make_elector: Builds the elector (tests pass an in-memory one).
+
+    """
+
+    def __init__(
+        self,
+        settings: LeaderSettings,
+        config: ElectionConfig,
+        make_elector: Callable[[], Elector],
+    ) -> None:
+        self.settings = settings
+        self.config = config
+        self._make_elector = make_elector
+        self.elector: Elector | None = None
+        self.handle: RoleHandle | None = None
+        self.store: ScheduleStateStore | None = None
+        self._wake = threading.Event()
+        self._next_warning = 0.0
+        self._connected_since: float | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this scheduler leads the beat role right now."""
+        return self.handle is not None and self.handle.is_leader
+
+    def start(self) -> None:
+        """Join the election and open the state store (idempotent).
+
+        Raises:
+            ElectionError: With ``nats_leader_required``, when NATS cannot be
+                reached; always, on a permanent problem (bucket missing,
+                permission denied).
+
+        """
+        if self.elector is not None:
+            return
+        settings, config = self.settings, self.config
+        elector = self._make_elector()
+        handle = elector.add_role(config)
+        handle.on_promote(self._promoted)
+        handle.on_demote(self._demoted)
+        self.elector, self.handle = elector, handle
+        # State operations get a little more room than election reads: a
+        # commit whose answer is late is reconciled, never retried blindly.
+        self.store = ScheduleStateStore(
+            elector,
+            settings.beat_state_bucket,
+            config.role,
+            create=settings.create_bucket,
+            replicas=settings.bucket_replicas,
+            timeout=max(2 * config.request_timeout, 0.5),
+        )
+        logger.info(
+            "nats-leader beat: instance %s campaigns for role %r in bucket %r on %s "
+            "(state in bucket %r)",
+            config.instance_id,
+            config.role,
+            config.bucket,
+            ", ".join(settings.servers),
+            settings.beat_state_bucket,
+        )
+        try:
+            elector.start(timeout=settings.start_timeout, require_connection=settings.required)
+            if elector.connected:
+                # Fail now, not at the first promotion, on a missing or
+                # misconfigured state bucket.
+                self.store.open()
+        except ElectionError as exc:
+            logger.critical("nats-leader beat: cannot start: %s", exc)
+            elector.stop()
+            raise
+        if not elector.connected:
+            logger.warning(
+                "nats-leader beat: NATS (%s) not reachable yet; this scheduler dispatches "
+                "nothing until it is connected and leads role %r",
+                ", ".join(settings.servers),
+                config.role,
+            )
+
+    def stop(self) -> None:
+        """Leave the election; a leader releases the role (its successor wins at once)."""
+        elector = self.elector
+        if elector is None:
+            return
+        was_leader = self.is_leader
+        elector.stop()
+        if was_leader:
+            logger.info("nats-leader beat: stopped; role %r released", self.config.role)
+
+    def retry_delay(self, max_interval: float) -> float:
+        """How soon to try again after a transient failure, in seconds."""
+        return min(max_interval, max(0.05, self.config.heartbeat_interval / 2))
+
+    def follow(self, max_interval: float) -> None:
+        """A follower's pass: check the election's health, then wait a bounded time.
+
+        A promotion or a demotion ends the wait at once.
+
+        Raises:
+            ElectionError: The election stopped for good or never started.
+
+        """
+        assert self.handle is not None
+        self._check_health(self.handle)
+        bound = min(max_interval, self.settings.beat_follower_interval)
+        if self._wake.wait(bound):
+            self._wake.clear()
+
+    def _check_health(self, handle: RoleHandle) -> None:
+        """Make a scheduler that can never lead say so (or stop, on a permanent error)."""
+        elector = self.elector
+        assert elector is not None
+        if handle.error is not None:
+            logger.critical(
+                "nats-leader beat: the election for role %r stopped: %s",
+                handle.role,
+                handle.error,
+            )
+            raise handle.error
+        now = time.monotonic()
+        if elector.connected and handle.state is ElectionState.INIT:
+            # Connected, but the role never started: the elector logged a
+            # permanent error (missing bucket, ...). Give it start_timeout.
+            if self._connected_since is None:
+                self._connected_since = now
+            elif now - self._connected_since > self.settings.start_timeout:
+                raise ElectionError(
+                    f"the election for role {handle.role!r} could not start (see the error "
+                    "logged above); this scheduler would never dispatch"
+                )
+        if now < self._next_warning:
+            return
+        self._next_warning = now + WARNING_INTERVAL
+        if not elector.connected:
+            logger.warning(
+                "nats-leader beat: still not connected to NATS (%s); dispatching nothing",
+                ", ".join(self.settings.servers),
+            )
+        else:
+            logger.debug(
+                "nats-leader beat: following; the active scheduler is %s",
+                describe_leader(handle.leader),
+            )
+
+    def _promoted(self, token: FencingToken) -> None:
+        logger.info(
+            "nats-leader beat: this replica is now the active scheduler (role %r, epoch %d)",
+            self.config.role,
+            token.epoch,
+        )
+        self._wake.set()
+
+    def _demoted(self, reason: DemoteReason) -> None:
+        logger.info(
+            "nats-leader beat: no longer the active scheduler (role %r, %s)",
+            self.config.role,
+            reason.value,
+        )
+        self._wake.set()

@@ -1,0 +1,328 @@
+"""The worker-side half of the beat fence: refuse tasks sent under an ended term.
+
+The leader scheduler (:mod:`celery_nats_leader.beat`) puts its fencing token
+and the tick's identity in every message's headers (below). A task that opts
+in checks, before its body runs, that no newer term of the beat role has
+begun since (one KV read): :class:`FencedBeatTask` as the task base, or
+:func:`enforce_dispatch_token` / :func:`check_dispatch_token` from any hook
+that may raise (``Task.before_start``, the task's first line). A
+``task_prerun`` receiver cannot refuse a task: Celery logs and drops its
+exceptions.
+
+The price of the check: a message sent by a leader that then stopped, still
+queued when the next term begins, is refused too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Task
+from celery.exceptions import Ignore
+
+from celery_nats_leader.backend import Bucket
+from celery_nats_leader.errors import BackendTimeoutError, ElectionError, RecordFormatError
+from celery_nats_leader.loop_thread import EventLoopThread
+from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.record import decode_record
+from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.token import FencingToken
+
+__all__ = [
+    "DISPATCHER_HEADER",
+    "ENTRY_HEADER",
+    "ROLE_HEADER",
+    "RUN_HEADER",
+    "TICK_HEADER",
+    "TOKEN_HEADER",
+    "DispatchCheck",
+    "DispatchFence",
+    "FencedBeatTask",
+    "check_dispatch_token",
+    "enforce_dispatch_token",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Message header: the dispatching term's fencing token (``FencingToken.to_header()``).
+TOKEN_HEADER = "nats_leader_token"
+#: Message header: the beat role whose leader dispatched the task.
+ROLE_HEADER = "nats_leader_role"
+#: Message header: the periodic entry's name.
+ENTRY_HEADER = "nats_leader_entry"
+#: Message header: the tick's slot (ISO 8601, UTC), its identity.
+TICK_HEADER = "nats_leader_tick"
+#: Message header: the entry's run number of this tick (1 for the first run).
+RUN_HEADER = "nats_leader_run"
+#: Message header: the instance id of the scheduler that dispatched it.
+DISPATCHER_HEADER = "nats_leader_dispatcher"
+
+
+@dataclass(frozen=True)
+class DispatchCheck:
+    """The answer of :func:`check_dispatch_token`.
+
+    Attributes:
+        fenced: Whether the message carried a beat token at all.
+        ok: Whether the task may run.
+        certain: ``False`` when the current term could not be read (the
+            answer is then ``ok=False``: fail closed).
+        role: The role named in the message.
+        token: The token the message carried.
+        current_epoch: The epoch of the role's current term, if read.
+        reason: Why it may not run ("" when it may).
+
+    """
+
+    fenced: bool
+    ok: bool
+    certain: bool = True
+    role: str | None = None
+    token: FencingToken | None = None
+    current_epoch: int | None = None
+    reason: str = ""
+
+
+def _request_headers(request: Any) -> Mapping[str, Any]:
+    """Our headers from a task request: Celery exposes custom headers both ways."""
+    found: dict[str, Any] = {}
+    headers = getattr(request, "headers", None)
+    if isinstance(headers, Mapping):
+        found.update(headers)
+    for name in (TOKEN_HEADER, ROLE_HEADER, ENTRY_HEADER, TICK_HEADER):
+        value = getattr(request, name, None)
+        if value is not None and name not in found:
+            found[name] = value
+    return found
+
+
+class DispatchFence:
+    """Reads the current term of a role, for the worker-side check.
+
+    One per process and settings (:meth:`for_settings`); it opens its own NATS
+    connection on its own loop thread at first use, and remembers the highest
+    epoch it has seen (epochs only grow), so that tokens older than that are
+    refused without a round trip.
+
+    Args:
+        connection: Where and how to connect.
+        bucket: The election bucket.
+        timeout: Seconds per read.
+
+    """
+
+    _instances: dict[tuple[int, Any, str], DispatchFence] = {}  # noqa: RUF012
+    _instances_lock = threading.Lock()
+
+    def __init__(self, connection: ConnectOptions, bucket: str, *, timeout: float = 2.0) -> None:
+        self.pid = os.getpid()
+        self.connection = connection
+        self.bucket_name = bucket
+        self.timeout = timeout
+        self._loop = EventLoopThread(name="nats-leader-fence")
+        self._bucket: Bucket | None = None
+        self._highest: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_settings(cls, settings: LeaderSettings) -> DispatchFence:
+        """The fence of this process for ``settings`` (created on first use)."""
+        key = (os.getpid(), settings.servers, settings.bucket)
+        with cls._instances_lock:
+            fence = cls._instances.get(key)
+            if fence is None:
+                fence = cls(
+                    settings.connection,
+                    settings.bucket,
+                    timeout=settings.election_config(settings.beat_role).request_timeout * 4,
+                )
+                cls._instances[key] = fence
+            return fence
+
+    def current_epoch(self, role: str) -> int | None:
+        """The epoch of ``role``'s current term (``None``: nobody leads it now).
+
+        Raises:
+            ElectionError: The term could not be read.
+
+        """
+        with self._lock:
+            self._loop.start()
+        try:
+            epoch = self._loop.run(self._read(role), self.timeout + 1.0)
+        except (TimeoutError, RuntimeError) as exc:
+            raise BackendTimeoutError(f"could not read the term of {role!r}: {exc}") from exc
+        if epoch is not None:
+            with self._lock:
+                self._highest[role] = max(self._highest.get(role, 0), epoch)
+        return epoch
+
+    def highest_epoch(self, role: str) -> int:
+        """The highest epoch of ``role`` seen by this process (0 if none)."""
+        return self._highest.get(role, 0)
+
+    async def _read(self, role: str) -> int | None:
+        bucket = self._bucket
+        if bucket is None:
+            from celery_nats_leader.nats.jetstream import JetStreamBackend
+
+            nc = await connect(self.connection, timeout=self.timeout, name="nats-leader-fence")
+            bucket = await JetStreamBackend(nc).open_bucket(
+                self.bucket_name, ttl=None, create=False, replicas=1, timeout=self.timeout
+            )
+            self._bucket = bucket
+        entry = await bucket.get(role, timeout=self.timeout)
+        if entry is None:
+            return None
+        try:
+            return decode_record(entry.value, entry.revision).epoch
+        except RecordFormatError:
+            # Not our record: somebody else's term, of an unknown epoch.
+            return entry.revision
+
+    def check(self, role: str, token: FencingToken) -> DispatchCheck:
+        """Whether a message sent under ``token`` may still run.
+
+        It may not when a term newer than the token's began (its epoch is
+        higher). When nobody leads the role right now, no newer term is known
+        and it may. On any doubt it may not (``certain=False``).
+        """
+        highest = self.highest_epoch(role)
+        if token.epoch < highest:
+            return DispatchCheck(
+                True,
+                False,
+                role=role,
+                token=token,
+                current_epoch=highest,
+                reason=f"dispatched under epoch {token.epoch}; a newer term ({highest}) began",
+            )
+        try:
+            current = self.current_epoch(role)
+        except ElectionError as exc:
+            return DispatchCheck(
+                True,
+                False,
+                certain=False,
+                role=role,
+                token=token,
+                reason=f"the current term of {role!r} could not be read: {exc}",
+            )
+        if current is not None and current > token.epoch:
+            return DispatchCheck(
+                True,
+                False,
+                role=role,
+                token=token,
+                current_epoch=current,
+                reason=f"dispatched under epoch {token.epoch}; the current term is {current}",
+            )
+        return DispatchCheck(True, True, role=role, token=token, current_epoch=current)
+
+
+_settings_cache: weakref.WeakKeyDictionary[Any, LeaderSettings] = weakref.WeakKeyDictionary()
+
+
+def _app_settings(app: Any) -> LeaderSettings:
+    """The app's settings, read once per app (not once per task)."""
+    try:
+        return _settings_cache[app]
+    except KeyError:
+        settings = _settings_cache[app] = LeaderSettings.from_celery(app.conf)
+        return settings
+
+
+def check_dispatch_token(request: Any, app: Any) -> DispatchCheck:
+    """Check the beat token a task message carries against its role's current term.
+
+    The worker-side half of the fence, for the integration to call before a
+    task runs (``Task.before_start``, or a task's first line). One KV read per
+    fenced message; messages without the header are not beat dispatches and
+    pass.
+
+    Args:
+        request: The task's request (``task.request``).
+        app: The Celery app (for the ``nats_leader_*`` settings).
+
+    Returns:
+        The verdict: ``ok`` is ``False`` when the token's term is older than
+        the current one, malformed, or (``certain=False``) unverifiable.
+
+    """
+    headers = _request_headers(request)
+    raw = headers.get(TOKEN_HEADER)
+    if raw is None:
+        return DispatchCheck(False, True, reason="not dispatched by a leader scheduler")
+    settings = _app_settings(app)
+    role = str(headers.get(ROLE_HEADER) or settings.beat_role)
+    try:
+        token = FencingToken.from_header(str(raw))
+    except RecordFormatError as exc:
+        return DispatchCheck(True, False, role=role, reason=f"malformed token header: {exc}")
+    return DispatchFence.for_settings(settings).check(role, token)
+
+
+def enforce_dispatch_token(task: Any, *, retry_countdown: float = 1.0) -> DispatchCheck:
+    """Refuse to run ``task`` if it was dispatched under an ended beat term.
+
+    * stale or malformed token: logged at WARNING, the task is ignored
+      (:class:`celery.exceptions.Ignore`: acknowledged, not run, not retried);
+    * the term could not be read: the task is retried after
+      ``retry_countdown`` seconds (a new message with the same headers), so
+      nothing is lost while NATS is unreachable;
+    * no token (not a beat dispatch) or a current one: it runs.
+
+    Args:
+        task: The bound task (``self`` in a ``bind=True`` task).
+        retry_countdown: Seconds before re-checking on doubt.
+
+    Returns:
+        The verdict, when the task may run.
+
+    Raises:
+        Ignore: The token's term has ended.
+        Retry: The term could not be read.
+
+    """
+    verdict = check_dispatch_token(task.request, task.app)
+    if verdict.ok:
+        return verdict
+    headers = _request_headers(task.request)
+    if not verdict.certain:
+        logger.warning(
+            "%s[%s]: cannot check its beat token yet (%s); retrying in %gs",
+            task.name,
+            task.request.id,
+            verdict.reason,
+            retry_countdown,
+        )
+        raise task.retry(countdown=retry_countdown, max_retries=None)
+    logger.warning(
+        "%s[%s]: not run: %s (entry %r, tick %s)",
+        task.name,
+        task.request.id,
+        verdict.reason,
+        headers.get(ENTRY_HEADER),
+        headers.get(TICK_HEADER),
+    )
+    raise Ignore()
+
+
+class FencedBeatTask(Task):  # type: ignore[misc]  # Celery is untyped
+    """Task base that refuses messages sent by a beat scheduler whose term ended.
+
+    ``@app.task(base=FencedBeatTask)``: before the body runs, the beat token
+    in the message is checked against KV (see :func:`enforce_dispatch_token`).
+    Tasks sent without a token (not by a leader scheduler) run as usual.
+    """
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        """Check the message's beat token before the body runs."""
+        enforce_dispatch_token(self)
+        super().before_start(task_id, args, kwargs)

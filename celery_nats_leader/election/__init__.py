@@ -1,0 +1,43 @@
+"""The election state machines: no Celery, no Django, no nats-py.
+
+* :mod:`.interface`: :class:`LeaderElection`, the Protocol every strategy
+  implements, and :func:`new_election`, which builds the configured one.
+* :mod:`.base`: :class:`~.base.BaseElection`, the plumbing both strategies
+  share (states, demote reasons, callbacks, start/teardown, control requests).
+* :mod:`.kv`: :class:`Election`, the JetStream KV strategy (the default).
+* :mod:`.allcall` and :mod:`.allcall_protocol`: the ALLCALL strategy and its
+  wire format (plain publish/subscribe, no JetStream).
+* :mod:`.health`, :mod:`.callbacks`, :mod:`.observer`: health-check demotion,
+  running user callbacks, and the metrics hooks.
+
+The state machines talk to NATS only through a
+:class:`~celery_nats_leader.backend.Backend`.
+"""
+
+from __future__ import annotations
+
+from celery_nats_leader.election.base import (
+    DemoteCallback,
+    DemoteReason,
+    ElectionState,
+    ErrorCallback,
+    LeaderChangeCallback,
+    PromoteCallback,
+    control_subject,
+)
+from celery_nats_leader.election.interface import LeaderElection, new_election
+from celery_nats_leader.election.kv import PERMANENT_ERRORS, Election
+
+__all__ = [
+    "PERMANENT_ERRORS",
+    "DemoteCallback",
+    "DemoteReason",
+    "Election",
+    "ElectionState",
+    "ErrorCallback",
+    "LeaderChangeCallback",
+    "LeaderElection",
+    "PromoteCallback",
+    "control_subject",
+    "new_election",
+]

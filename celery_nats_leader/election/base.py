@@ -1,0 +1,703 @@
+"""What every election strategy shares: states, callbacks and lifecycle plumbing.
+
+:class:`BaseElection` holds the state and the machinery that do not depend on
+how a leader is chosen: the callback registry and its runner, the lease
+deadline that :attr:`~BaseElection.is_leader` checks on every call, the
+loop-bound events that :meth:`~BaseElection.start` and
+:meth:`~BaseElection.wait_for_leadership` wait on, the wakeable sleep of the
+main loop, connecting, tearing down, failing loudly, health checks, resign and
+takeover requests.
+
+Each strategy subclasses it and supplies the algorithm:
+:class:`~celery_nats_leader.election.Election` (the KV strategy) and
+:class:`~celery_nats_leader.election.allcall.AllcallElection` (ALLCALL). What they
+must provide is abstract here: :meth:`~BaseElection.start`,
+:meth:`~BaseElection.stop`, :meth:`~BaseElection.validate_token`,
+:meth:`~BaseElection.describe`, :attr:`~BaseElection.leader`,
+:attr:`~BaseElection.leader_id`, and the private ``_loop``, ``_demote`` and
+``_release``. Smaller differences are hooks with a documented default.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+import random
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+from nats.aio.client import Client
+
+from celery_nats_leader import constants as c
+from celery_nats_leader.backend import Backend, Subscription
+from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
+from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.election.callbacks import CallbackRunner
+from celery_nats_leader.election.health import watch_health
+from celery_nats_leader.election.observer import ElectionObserver, NullObserver
+from celery_nats_leader.errors import ElectionError, ElectionStoppedError
+from celery_nats_leader.events import EventKind, TransitionEvent, event_subject, kind_of
+from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, connect
+from celery_nats_leader.record import LeaderRecord
+from celery_nats_leader.token import FencingToken
+
+logger = logging.getLogger(__name__)
+
+
+class ElectionState(str, enum.Enum):
+    """Where an election is in its life."""
+
+    INIT = "init"
+    CANDIDATE = "candidate"
+    LEADER = "leader"
+    FOLLOWER = "follower"
+    STOPPED = "stopped"
+
+
+class DemoteReason(str, enum.Enum):
+    """Why a leader stopped leading (passed to demote callbacks)."""
+
+    STOPPED = "stopped"
+    """:meth:`BaseElection.stop` was called."""
+    RESIGNED = "resigned"
+    """:meth:`BaseElection.resign` was called, or an operator asked."""
+    TAKEOVER = "takeover"
+    """A higher-priority candidate politely asked for the role."""
+    LEASE_EXPIRED = "lease_expired"
+    """No renewal was confirmed before the local lease deadline."""
+    REVISION_CHANGED = "revision_changed"
+    """Someone else wrote the key: the term is over."""
+    KEY_DELETED = "key_deleted"
+    """The key was deleted by someone else."""
+    TOKEN_MISMATCH = "token_mismatch"
+    """Validation found another term's token in the key."""
+    DISCONNECTED = "disconnected"
+    """The NATS connection was down longer than the disconnect grace."""
+    HEALTH_CHECK_FAILED = "health_check_failed"
+    """The health check failed too many times in a row."""
+    FENCED = "fenced"
+    """An operator fenced the term (``nats-leader fence``): it ended at once."""
+    ERROR = "error"
+    """A permanent error (bucket deleted, permission denied) ended the election."""
+
+
+PromoteCallback = Callable[[FencingToken], "Awaitable[None] | None"]
+DemoteCallback = Callable[[DemoteReason], "Awaitable[None] | None"]
+LeaderChangeCallback = Callable[["LeaderRecord | None"], "Awaitable[None] | None"]
+ErrorCallback = Callable[[ElectionError], "Awaitable[None] | None"]
+
+
+def control_subject(bucket: str, role: str, verb: str) -> str:
+    """Subject of the request/reply side channel of one role.
+
+    Args:
+        bucket: The KV bucket.
+        role: The role.
+        verb: ``roster`` or ``resign``.
+
+    Returns:
+        ``_NATS_LEADER.<bucket>.<role>.<verb>``.
+
+    """
+    return f"{c.CONTROL_SUBJECT_PREFIX}.{bucket}.{role}.{verb}"
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class _Waker(ConnectionListener):
+    """Wakes an election when its own connection goes down or comes back."""
+
+    def __init__(self, election: BaseElection) -> None:
+        self._election = election
+
+    def disconnected(self) -> None:
+        self._election.wake()
+
+    def reconnected(self) -> None:
+        self._election.wake()
+
+
+class BaseElection(abc.ABC):
+    """State and plumbing shared by the election strategies (one role each).
+
+    Not used directly: see :func:`~celery_nats_leader.election.interface.new_election`.
+
+    Args:
+        config: The role's configuration.
+        connection: A connected nats-py client to use; when ``None`` the
+            election opens (and later closes) its own from ``connect_options``.
+        connect_options: Where to connect when ``connection`` is ``None``.
+        backend: A ready backend (tests use the in-memory one); overrides
+            ``connection``.
+        clock: Monotonic clock for this process's own deadlines (injectable
+            for tests).
+        observer: Receives measurements (metrics).
+        rng: Random source.
+
+    """
+
+    #: The strategy module's logger: records keep the logger name they always had.
+    _logger: ClassVar[logging.Logger] = logger
+    #: Names the strategy's own connection and main task (``<prefix>-<role>``)
+    #: and its crash message.
+    _name_prefix: ClassVar[str] = "election"
+    #: Errors after which retrying cannot help: the main loop stops with them
+    #: as :attr:`error`, without the "loop crashed" traceback.
+    _permanent_errors: ClassVar[tuple[type[ElectionError], ...]] = ()
+
+    def __init__(
+        self,
+        config: ElectionConfig,
+        connection: Client | None = None,
+        *,
+        connect_options: ConnectOptions | None = None,
+        backend: Backend | None = None,
+        clock: Clock | None = None,
+        observer: ElectionObserver | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self._connection = connection
+        self._connect_options = connect_options
+        self._backend: Backend | None = backend
+        self._own_connection: Client | None = None
+        self._clock = clock or SYSTEM_CLOCK
+        self._observer: ElectionObserver = observer or NullObserver()
+        self._rng = rng or random.Random()
+        self._state = ElectionState.INIT
+        self._error: ElectionError | None = None
+
+        # Leader side.
+        self._token: FencingToken | None = None
+        self._lease_deadline = 0.0
+        self._term_started_at = 0.0
+        self._last_confirmed_send = 0.0
+        self._release_reason: DemoteReason | None = None
+        self._health_task: asyncio.Task[None] | None = None
+
+        # Eligibility.
+        self._sit_out_until = 0.0
+        self._next_takeover_at = 0.0
+        self._disconnected_since: float | None = None
+
+        self._promote_callbacks: list[PromoteCallback] = []
+        self._demote_callbacks: list[DemoteCallback] = []
+        self._change_callbacks: list[LeaderChangeCallback] = []
+        self._error_callbacks: list[ErrorCallback] = []
+        self._callbacks = CallbackRunner(f"{config.role}")
+        # Loop-bound: created in start(), never here.
+        self._wake: asyncio.Event | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._decided: asyncio.Event | None = None
+        self._leading: asyncio.Event | None = None
+        self._main_task: asyncio.Task[None] | None = None
+        self._subscriptions: list[Subscription] = []
+
+        # The event trail: transitions waiting to be published, in order.
+        self._events: deque[bytes] = deque(maxlen=c.EVENT_BUFFER)
+        self._event_seq = 0
+        self._event_epoch: int | None = None
+        self._event_task: asyncio.Task[None] | None = None
+        self._born = self._clock.monotonic()
+
+    # ------------------------------------------------------------------ API
+
+    @property
+    def role(self) -> str:
+        """The role this election is for."""
+        return self.config.role
+
+    @property
+    def instance_id(self) -> str:
+        """This candidate's id."""
+        return self.config.instance_id
+
+    @property
+    def state(self) -> ElectionState:
+        """The current state (a leader past its lease reports ``FOLLOWER``)."""
+        if self._state is ElectionState.LEADER and not self._lease_valid():
+            return ElectionState.FOLLOWER
+        return self._state
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process leads the role *now*.
+
+        Checked against the local lease deadline on the monotonic clock at
+        every call, so it turns ``False`` on time even if the event loop is
+        late. Safe to read from any thread.
+        """
+        return self._state is ElectionState.LEADER and self._lease_valid()
+
+    @property
+    def token(self) -> FencingToken | None:
+        """The current term's fencing token while leading, else ``None``."""
+        return self._token if self.is_leader else None
+
+    @property
+    @abc.abstractmethod
+    def leader(self) -> LeaderRecord | None:
+        """The leader this process knows of (ours while leading), or ``None``."""
+
+    @property
+    @abc.abstractmethod
+    def leader_id(self) -> str | None:
+        """The id of the leader this process knows of, or ``None`` when the role looks free."""
+
+    @property
+    def error(self) -> ElectionError | None:
+        """The permanent error that stopped the election, if any."""
+        return self._error
+
+    @property
+    def lease_remaining(self) -> float:
+        """Seconds left on the local lease (0 when not leading)."""
+        if self._state is not ElectionState.LEADER:
+            return 0.0
+        return max(0.0, self._lease_deadline - self._clock.monotonic())
+
+    def bind(self, backend: Backend) -> None:
+        """Use ``backend`` (a connection shared with other roles) instead of connecting.
+
+        Raises:
+            ElectionStoppedError: If the election was started already.
+
+        """
+        if self._state is not ElectionState.INIT:
+            raise ElectionStoppedError("bind() must be called before start()")
+        self._backend = backend
+
+    def wake(self) -> None:
+        """Re-evaluate now; called when the connection goes down or comes back."""
+        if self._events:
+            self._schedule_event_flush()
+        if self._wake is not None:
+            self._wake.set()
+        if self._waiter is not None:
+            _resolve(self._waiter)
+
+    def on_promote(self, callback: PromoteCallback) -> PromoteCallback:
+        """Register ``callback(token)``, called when this process becomes leader.
+
+        Usable as a decorator. Sync callbacks run on a worker thread, async
+        ones on the loop; either way never on the renewal path.
+        """
+        self._promote_callbacks.append(callback)
+        return callback
+
+    def on_demote(self, callback: DemoteCallback) -> DemoteCallback:
+        """Register ``callback(reason)``, called when this process stops leading.
+
+        See :class:`DemoteReason`, and the strategy's class for the reasons it uses.
+        """
+        self._demote_callbacks.append(callback)
+        return callback
+
+    def on_leader_change(self, callback: LeaderChangeCallback) -> LeaderChangeCallback:
+        """Register ``callback(record_or_None)``, called when the known leader changes."""
+        self._change_callbacks.append(callback)
+        return callback
+
+    def on_error(self, callback: ErrorCallback) -> ErrorCallback:
+        """Register ``callback(error)``, called when an error stops the election."""
+        self._error_callbacks.append(callback)
+        return callback
+
+    @abc.abstractmethod
+    async def start(self, *, wait: float | None = None) -> None:
+        """Join the election (see the strategy for what it waits for).
+
+        Args:
+            wait: Seconds to wait for the first decision.
+
+        """
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Leave the election, releasing leadership. Idempotent."""
+
+    async def resign(self) -> None:
+        """Step down if leading: demote callbacks first, then the term is released.
+
+        This process then sits out for one TTL, so that another candidate
+        takes the role (if there is none, this one leads again).
+        """
+        if self._state is not ElectionState.LEADER or self._wake is None:
+            return
+        await self._release(DemoteReason.RESIGNED)
+
+    @abc.abstractmethod
+    async def validate_token(self) -> bool:
+        """Confirm, as far as the strategy can, that this process still holds its term.
+
+        Returns:
+            ``True`` only if the term was confirmed and the local lease is
+            still valid; ``False`` on any doubt.
+
+        """
+
+    async def wait_for_leadership(self, timeout: float | None = None) -> bool:
+        """Wait until this process leads.
+
+        Args:
+            timeout: Seconds to wait; ``None`` waits indefinitely.
+
+        Returns:
+            ``True`` if leading, ``False`` if the timeout passed first.
+
+        Raises:
+            ElectionError: The election stopped on an error.
+            ElectionStoppedError: The election is stopped or was never started.
+
+        """
+        if self.is_leader:
+            return True
+        if self._leading is None or self._state is ElectionState.STOPPED:
+            if self._error is not None:
+                raise self._error
+            raise ElectionStoppedError(f"election for {self.role!r} is not running")
+        try:
+            await asyncio.wait_for(self._wait_leading(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        if self._error is not None:
+            raise self._error
+        return self.is_leader
+
+    async def _wait_leading(self) -> None:
+        assert self._leading is not None
+        while not self.is_leader and self._state is not ElectionState.STOPPED:
+            self._leading.clear()
+            await self._leading.wait()
+
+    @abc.abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """This candidate as the roster and status commands show it.
+
+        Returns:
+            A JSON-serializable dict.
+
+        """
+
+    # ------------------------------------------------------ strategy parts
+
+    @abc.abstractmethod
+    async def _loop(self) -> None:
+        """The strategy's main loop, until the state is ``STOPPED``."""
+
+    @abc.abstractmethod
+    def _demote(self, reason: DemoteReason) -> None:
+        """Stop leading at once (state first, callbacks after); no-op unless leading."""
+
+    @abc.abstractmethod
+    async def _release(self, reason: DemoteReason) -> None:
+        """Graceful hand-over: demote callbacks first, then give the term up."""
+
+    def _may_take_over(self, leader_id: str, now: float) -> bool:
+        """Whether this process may ask ``leader_id`` for the role now (rank aside)."""
+        return now >= self._sit_out_until
+
+    def _state_log_level(self, old: ElectionState, new: ElectionState) -> int:
+        """The level at which the change from ``old`` to ``new`` is logged."""
+        return logging.INFO
+
+    def _decides(self, old: ElectionState, new: ElectionState) -> bool:
+        """Whether the change from ``old`` to ``new`` lets :meth:`start` return."""
+        return new is ElectionState.LEADER
+
+    async def _respond(self, reply: str, body: Any) -> None:
+        """Answer a control request; a failure propagates to the backend, which logs it."""
+        assert self._backend is not None
+        await self._backend.publish(reply, json.dumps(body).encode())
+
+    # ------------------------------------------------------------ plumbing
+
+    async def _prepare_start(self) -> Backend:
+        """Refuse a second start, create the loop-bound events and open the backend."""
+        if self._state is not ElectionState.INIT:
+            raise ElectionStoppedError(f"election for {self.role!r} was already started")
+        self._wake = asyncio.Event()
+        self._decided = asyncio.Event()
+        self._leading = asyncio.Event()
+        return await self._open_backend()
+
+    async def _launch(self, wait: float) -> None:
+        """Start the main loop, then wait up to ``wait`` seconds for the first decision."""
+        assert self._decided is not None
+        self._main_task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"{self._name_prefix}-{self.role}"
+        )
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._decided.wait(), wait)
+
+    async def _open_backend(self) -> Backend:
+        if self._backend is not None:
+            return self._backend
+        # Imported here so that the memory backend needs no nats-py connection.
+        from celery_nats_leader.nats.jetstream import JetStreamBackend
+
+        connection = self._connection
+        if connection is None:
+            connection = await connect(
+                self._connect_options or ConnectOptions(),
+                name=f"{self._name_prefix}-{self.role}",
+                listeners=[_Waker(self)],
+            )
+            self._own_connection = connection
+        # ALLCALL uses only the core-NATS half of this backend: no JetStream call.
+        self._backend = JetStreamBackend(connection)
+        return self._backend
+
+    async def _teardown(self) -> None:
+        # The last events (the release of a stop) go out before the connection closes.
+        if self._event_task is not None:
+            with contextlib.suppress(Exception):
+                await self._event_task
+        await self._flush_events()
+        await self._unsubscribe_all()
+        self._stop_health_watch()
+        await self._callbacks.stop()
+        await self._close_own_connection()
+        if self._leading is not None:
+            self._leading.set()
+
+    async def _unsubscribe_all(self) -> None:
+        for sub in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subscriptions.clear()
+
+    async def _close_own_connection(self) -> bool:
+        """Close the connection this election opened, if any; return whether there was one."""
+        if self._own_connection is None:
+            return False
+        # close() flushes to the socket and can raise when the server is gone.
+        with contextlib.suppress(Exception):
+            await self._own_connection.close()
+        self._own_connection = None
+        return True
+
+    async def _cancel_main(self) -> None:
+        task, self._main_task = self._main_task, None
+        if task is None or task is asyncio.current_task():
+            return
+        # Cancel until it is done: a library call inside the task may swallow
+        # one cancellation (asyncio.wait_for on Python 3.11 can).
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.1)
+
+    async def _sleep_until(self, deadline: float) -> None:
+        """Wait until ``deadline`` (monotonic) or until :meth:`wake` is called.
+
+        Awaits a plain future rather than ``asyncio.wait_for``: on Python 3.11
+        ``wait_for`` can swallow a cancellation that arrives just as its
+        timeout fires, which would let the loop outlive :meth:`stop`.
+        """
+        assert self._wake is not None
+        delay = deadline - self._clock.monotonic()
+        if self._wake.is_set() or delay <= 0:
+            self._wake.clear()
+            return
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._waiter = waiter
+        timer = loop.call_later(delay, _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+            self._wake.clear()
+
+    # ------------------------------------------------------------ events
+
+    def _notify_promoted(self, token: FencingToken) -> asyncio.Future[None]:
+        """Publish the ``promoted`` event, then run the promote callbacks."""
+        self._event_epoch = token.epoch
+        self._emit(EventKind.PROMOTED, None, 0.0)
+        return self._callbacks.submit(self._promote_callbacks, token)
+
+    def _notify_demoted(self, reason: DemoteReason) -> asyncio.Future[None]:
+        """Publish the end of the term (its kind follows ``reason``), then run the callbacks."""
+        term_age = round(self._clock.monotonic() - self._term_started_at, 3)
+        self._emit(kind_of(reason.value), reason.value, term_age)
+        return self._callbacks.submit(self._demote_callbacks, reason)
+
+    def _emit(self, kind: EventKind, reason: str | None, term_age: float) -> None:
+        """Queue one transition event; published in order, never on the renewal path."""
+        cfg = self.config
+        self._event_seq += 1
+        event = TransitionEvent(
+            event=kind,
+            bucket=cfg.bucket,
+            role=cfg.role,
+            id=cfg.instance_id,
+            epoch=self._event_epoch,
+            reason=reason,
+            seq=self._event_seq,
+            uptime=round(self._clock.monotonic() - self._born, 3),
+            term_age=term_age,
+            meta=dict(cfg.meta),
+        )
+        self._events.append(event.encode())
+        self._schedule_event_flush()
+
+    def _schedule_event_flush(self) -> None:
+        if self._event_task is not None and not self._event_task.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not on the loop (a wake from another thread): the next event flushes
+        self._event_task = loop.create_task(
+            self._flush_events(), name=f"{self._name_prefix}-events-{self.role}"
+        )
+
+    async def _flush_events(self) -> None:
+        """Publish the queued events in order; keep them while disconnected."""
+        backend = self._backend
+        subject = event_subject(self.config.bucket, self.config.role)
+        while self._events and backend is not None and backend.is_connected:
+            try:
+                await backend.publish(subject, self._events[0])
+            except Exception as exc:  # an event must never break the election
+                self._logger.debug("%s: could not publish an event: %s", self.role, exc)
+                return
+            if self._events:
+                self._events.popleft()
+
+    def _lease_valid(self) -> bool:
+        return self._clock.monotonic() < self._lease_deadline
+
+    def _set_state(self, new: ElectionState) -> None:
+        old = self._state
+        if old is new:
+            return
+        self._state = new
+        self._logger.log(
+            self._state_log_level(old, new),
+            "%s: %s -> %s (%s)",
+            self.role,
+            old.value,
+            new.value,
+            self.instance_id,
+        )
+        self._observer.state_changed(self.role, self.instance_id, old.value, new.value)
+        if self._decided is not None and self._decides(old, new):
+            self._decided.set()
+        if self._leading is not None:
+            self._leading.set()
+
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except self._permanent_errors as exc:
+            await self._fail(exc)
+        except Exception as exc:
+            # The prefix goes into the format string itself, so that the
+            # record's template stays "%s: election loop crashed" (grouping
+            # by template, as error trackers do, is unchanged).
+            self._logger.exception(f"%s: {self._name_prefix} loop crashed", self.role)
+            await self._fail(ElectionError(f"{self._name_prefix} loop crashed: {exc!r}"))
+
+    async def _fail(self, exc: ElectionError) -> None:
+        self._logger.error("%s: election stopped: %s", self.role, exc)
+        self._error = exc
+        if self._state is ElectionState.LEADER:
+            self._demote(DemoteReason.ERROR)
+        self._set_state(ElectionState.STOPPED)
+        if self._decided is not None:
+            self._decided.set()
+        await self._callbacks.submit(self._error_callbacks, exc)
+        self._main_task = None
+        await self._teardown()
+
+    def _watch_health(self, token: FencingToken) -> None:
+        """Run the configured health check, if any, for as long as ``token``'s term lasts."""
+        cfg = self.config
+        if cfg.health_check is not None:
+            self._health_task = asyncio.get_running_loop().create_task(
+                watch_health(cfg, lambda: self._token is token, self._resign_unhealthy),
+                name=f"health-{cfg.role}",
+            )
+
+    def _stop_health_watch(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            self._health_task = None
+
+    def _resign_unhealthy(self) -> None:
+        self._release_reason = DemoteReason.HEALTH_CHECK_FAILED
+        self.wake()
+
+    async def _maybe_take_over(self, leader_id: str, leader_priority: int, now: float) -> None:
+        """Ask a leader of lower priority to hand over, at most once per TTL."""
+        cfg = self.config
+        if (
+            not cfg.allow_takeover
+            or leader_priority >= cfg.priority
+            or now < self._next_takeover_at
+            or not self._may_take_over(leader_id, now)
+        ):
+            return
+        self._next_takeover_at = now + cfg.ttl
+        assert self._backend is not None
+        request = json.dumps(
+            {"requester": cfg.instance_id, "priority": cfg.priority, "reason": "takeover"}
+        ).encode()
+        try:
+            reply = await self._backend.request(
+                control_subject(cfg.bucket, cfg.role, c.RESIGN_VERB),
+                request,
+                timeout=cfg.request_timeout,
+            )
+        except ElectionError as exc:
+            self._logger.debug("%s: takeover request unanswered: %s", self.role, exc)
+            return
+        self._logger.info("%s: asked leader %s to hand over: %s", self.role, leader_id, reply[:200])
+
+    async def _on_resign_request(self, data: bytes, reply: str | None) -> None:
+        try:
+            body = json.loads(data) if data else {}
+        except ValueError:
+            body = {}
+        if not isinstance(body, dict):
+            body = {}
+        leading = self.is_leader
+        priority = body.get("priority")
+        accepted = leading
+        if leading and isinstance(priority, int) and priority <= self.config.priority:
+            accepted = False  # a takeover request from a candidate not preferred over us
+        if accepted:
+            self._release_reason = (
+                DemoteReason.TAKEOVER if isinstance(priority, int) else DemoteReason.RESIGNED
+            )
+            self._logger.info(
+                "%s: asked to step down by %s", self.role, body.get("requester", "an operator")
+            )
+            self.wake()
+        if reply and self._backend is not None and leading:
+            await self._respond(reply, {"id": self.instance_id, "accepted": accepted})
+
+
+__all__ = [
+    "BaseElection",
+    "DemoteCallback",
+    "DemoteReason",
+    "ElectionState",
+    "ErrorCallback",
+    "LeaderChangeCallback",
+    "PromoteCallback",
+    "control_subject",
+]

@@ -1,0 +1,1009 @@
+"""The election state machine for one role (asyncio).
+
+``INIT → CANDIDATE → LEADER | FOLLOWER → ... → STOPPED``
+
+* Campaign: ``create`` the role's key; atomic, so exactly one candidate wins.
+* Renew: the leader ``update``s the key at its last revision every heartbeat;
+  a revision written by someone else is a definite loss.
+* Lease: the leader keeps, on its own monotonic clock, the *send* time of its
+  last confirmed write and stops leading at ``send + ttl - margin``. The
+  server cannot expire the key before ``store + ttl >= send + ttl``, so a live
+  leader always steps down before a successor can win, whatever the network
+  does. :attr:`Election.is_leader` checks that deadline on every call, so it
+  is right even when the event loop lags.
+* Follow: watch the key; on a delete, campaign at once (with a little jitter,
+  preferred candidates first); otherwise campaign when the key must have
+  expired (``max_age`` expiry sends no watch event on nats-server 2.9/2.10),
+  backing the watch up with a periodic read.
+* Release: on stop or resign, run the demote callbacks, then delete the key
+  at our revision (never a successor's record).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import uuid
+from collections import deque
+from typing import Any
+
+from nats.aio.client import Client
+
+from celery_nats_leader import constants as c
+from celery_nats_leader.backend import Backend, Bucket, KVEntry, Operation
+from celery_nats_leader.backoff import Backoff
+from celery_nats_leader.clock import Clock
+from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.election.base import (
+    BaseElection,
+    DemoteCallback,
+    DemoteReason,
+    ElectionState,
+    ErrorCallback,
+    LeaderChangeCallback,
+    PromoteCallback,
+    control_subject,
+)
+from celery_nats_leader.election.observer import ElectionObserver
+from celery_nats_leader.errors import (
+    BackendError,
+    BackendTimeoutError,
+    BucketConfigError,
+    BucketNotFoundError,
+    ElectionError,
+    JetStreamUnavailableError,
+    KeyExistsError,
+    NotConnectedError,
+    PermissionDeniedError,
+    RecordFormatError,
+    RevisionMismatchError,
+)
+from celery_nats_leader.nats.connection import ConnectOptions
+from celery_nats_leader.record import LeaderRecord, decode_record, encode_record
+from celery_nats_leader.token import FencingToken
+
+logger = logging.getLogger(__name__)
+
+#: Errors after which retrying cannot help: the election stops and reports.
+PERMANENT_ERRORS = (
+    BucketNotFoundError,
+    BucketConfigError,
+    JetStreamUnavailableError,
+    PermissionDeniedError,
+)
+
+#: How many of our own past tokens we remember, to recognize our leftovers.
+_REMEMBERED_TOKENS = 16
+
+
+class Election(BaseElection):
+    """Leader election for one role on a NATS JetStream KV bucket.
+
+    Args:
+        config: The role's configuration.
+        connection: A connected nats-py client to use; when ``None`` the
+            election opens (and later closes) its own from ``connect_options``.
+        connect_options: Where to connect when ``connection`` is ``None``.
+        backend: A ready backend (tests use the in-memory one); overrides
+            ``connection``.
+        clock: Monotonic clock for every deadline (injectable for tests).
+        observer: Receives measurements (metrics).
+        rng: Random source for jitter.
+
+    """
+
+    _logger = logger
+    _name_prefix = "election"
+    _permanent_errors = PERMANENT_ERRORS
+
+    def __init__(
+        self,
+        config: ElectionConfig,
+        connection: Client | None = None,
+        *,
+        connect_options: ConnectOptions | None = None,
+        backend: Backend | None = None,
+        clock: Clock | None = None,
+        observer: ElectionObserver | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(
+            config,
+            connection,
+            connect_options=connect_options,
+            backend=backend,
+            clock=clock,
+            observer=observer,
+            rng=rng,
+        )
+        self._bucket: Bucket | None = None
+
+        # Leader side.
+        self._revision = 0
+        self._renewal_value = b""
+        self._unconfirmed_send: float | None = None
+        self._deadline_timer: asyncio.TimerHandle | None = None
+
+        # What we know of the key (both sides).
+        self._leader: LeaderRecord | None = None
+        self._observed_revision = 0
+        self._observed_present = False
+        self._observed_at = 0.0
+        self._campaign_at = 0.0
+        self._expiry_retry_until = 0.0
+        self._last_read_at = 0.0
+        self._bad_record_revision = 0
+        # Revision of an operator's fence marker: the key is vacant, and a
+        # campaign takes it with an update at exactly that revision.
+        self._vacant_revision = 0
+        self._issued_tokens: deque[str] = deque(maxlen=_REMEMBERED_TOKENS)
+        self._roster: dict[str, int] = {}
+
+        self._backoff = Backoff(
+            breaker_cooldown=min(
+                c.CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS, config.ttl * c.CIRCUIT_BREAKER_COOLDOWN_TTLS
+            ),
+            rng=self._rng,
+        )
+
+    # ------------------------------------------------------------------ API
+
+    @property
+    def leader(self) -> LeaderRecord | None:
+        """The last leader record seen (ours while leading), or ``None``."""
+        return self._leader
+
+    @property
+    def leader_id(self) -> str | None:
+        """The id of the last leader seen, or ``None`` when the role looked free."""
+        return self._leader.id if self._leader is not None else None
+
+    async def start(self, *, wait: float | None = None) -> None:
+        """Join the election.
+
+        Opens the bucket (failing fast on permanent problems), starts the
+        watch and the state machine, and waits until the first campaign has
+        decided whether this process leads or follows.
+
+        Args:
+            wait: Seconds to wait for that first decision; default the TTL.
+
+        Raises:
+            BucketNotFoundError: The bucket is missing and ``create_bucket`` is off.
+            BucketConfigError: The bucket's ``max_age`` differs from ``ttl``.
+            JetStreamUnavailableError: The server has no JetStream.
+            NatsUnavailableError: No connection could be made.
+            ElectionStoppedError: The election was stopped before.
+
+        """
+        backend = await self._prepare_start()
+        try:
+            await self._join(backend)
+        except BaseException:
+            # Fail fast *and clean*: a connection we opened must not stay
+            # behind, reconnecting and logging forever, after start() raised.
+            await self._abandon_start()
+            raise
+        await self._launch(self.config.ttl if wait is None else wait)
+
+    async def _join(self, backend: Backend) -> None:
+        """Open the bucket, subscribe, read and watch the key: everything but the loop."""
+        cfg = self.config
+        assert self._decided is not None
+        self._bucket = await backend.open_bucket(
+            cfg.bucket,
+            ttl=cfg.ttl,
+            create=cfg.create_bucket,
+            replicas=cfg.bucket_replicas,
+            timeout=max(cfg.request_timeout, 2.0),
+        )
+        self._callbacks.start()
+        self._roster[cfg.instance_id] = cfg.priority
+        self._subscriptions.append(
+            await backend.subscribe(
+                control_subject(cfg.bucket, cfg.role, c.ROSTER_VERB), self._on_roster
+            )
+        )
+        self._subscriptions.append(
+            await backend.subscribe(
+                control_subject(cfg.bucket, cfg.role, c.RESIGN_VERB), self._on_resign_request
+            )
+        )
+        now = self._clock.monotonic()
+        self._campaign_at = now
+        self._last_read_at = now
+        # Read first, so that "someone else leads" is known before start() returns.
+        self._observe(await self._bucket.get(cfg.role, timeout=max(cfg.request_timeout, 2.0)))
+        if self._observed_present:
+            self._decided.set()
+        self._subscriptions.append(await self._bucket.watch(cfg.role, self._on_watch))
+        await self._announce({"hello": {"id": cfg.instance_id, "priority": cfg.priority}})
+        self._set_state(ElectionState.FOLLOWER)
+
+    async def _abandon_start(self) -> None:
+        """Undo a failed :meth:`start`; the election stays in INIT and may start again."""
+        await self._unsubscribe_all()
+        await self._callbacks.stop()
+        self._bucket = None
+        if await self._close_own_connection():
+            self._backend = None  # it was built on that connection
+
+    async def stop(self) -> None:
+        """Leave the election.
+
+        A leader first runs its demote callbacks, then (with
+        ``release_on_stop``) deletes its key so a successor is promoted in
+        milliseconds. Idempotent.
+        """
+        if self._state is ElectionState.STOPPED and self._main_task is None:
+            return
+        was_leader = self._state is ElectionState.LEADER
+        token = self._token
+        revision = self._revision
+        await self._cancel_main()
+        if was_leader and token is not None:
+            self._token = None
+            self._lease_deadline = 0.0
+            self._cancel_deadline_timer()
+            self._set_state(ElectionState.STOPPED)
+            await self._notify_demoted(DemoteReason.STOPPED)
+            if self.config.release_on_stop:
+                # Conditional on our revision: never deletes a successor's record.
+                await self._delete_own_key(token, revision)
+        self._set_state(ElectionState.STOPPED)
+        await self._announce({"bye": {"id": self.config.instance_id}})
+        await self._teardown()
+
+    async def validate_token(self) -> bool:
+        """Confirm against the store that this process still holds its term.
+
+        Reads the key and compares id and token. A mismatch demotes at once.
+        Fails closed: any error reading the key returns ``False``.
+
+        Returns:
+            ``True`` only if the key holds this process's current term and the
+            local lease is still valid.
+
+        """
+        token = self._token
+        if not self.is_leader or token is None or self._bucket is None:
+            return False
+        try:
+            entry = await self._bucket.get(self.role, timeout=self.config.request_timeout)
+        except ElectionError as exc:
+            logger.debug("%s: token validation could not read the key: %s", self.role, exc)
+            return False
+        record = self._decode(entry) if entry is not None else None
+        ok = (
+            record is not None
+            and record.token == token.value
+            and record.id == self.instance_id
+            and record.epoch == token.epoch
+        )
+        self._observer.validation(self.role, self.instance_id, ok)
+        if not ok:
+            if self._token is token:
+                logger.warning(
+                    "%s: fencing token %s is no longer in the store; stepping down",
+                    self.role,
+                    token,
+                )
+                reason = (
+                    DemoteReason.KEY_DELETED
+                    if entry is None
+                    else DemoteReason.FENCED
+                    if record is not None and record.is_fence
+                    else DemoteReason.TOKEN_MISMATCH
+                )
+                self._demote(reason)
+            return False
+        return self.is_leader and self._token is token
+
+    def describe(self) -> dict[str, Any]:
+        """This candidate as the roster and status commands show it.
+
+        Returns:
+            A JSON-serializable dict: ``id``, ``role``, ``state``, ``priority``,
+            ``is_leader``, ``epoch``, ``revision``, ``term_age``,
+            ``lease_remaining``, ``lease_margin``, ``last_heartbeat_age``, ``leader_id``, ``meta``,
+            and, while another process's record holds the key, ``observed_revision``
+            and ``leader_expires_within``: the longest that record can last
+            without renewal, from when this process first saw it (its own clock).
+
+        """
+        now = self._clock.monotonic()
+        leading = self.is_leader
+        token = self._token if leading else None
+        # The record was stored before we saw it, so it expires by then + TTL.
+        watching = not leading and self._observed_present and self._leader is not None
+        return {
+            "id": self.instance_id,
+            "role": self.role,
+            "state": self.state.value,
+            "priority": self.config.priority,
+            "is_leader": leading,
+            "epoch": token.epoch if token else None,
+            "revision": self._revision if leading else None,
+            "term_age": round(now - self._term_started_at, 3) if leading else None,
+            "lease_remaining": round(self.lease_remaining, 3) if leading else None,
+            "lease_margin": self.config.lease_margin,
+            "last_heartbeat_age": round(now - self._last_confirmed_send, 3) if leading else None,
+            "leader_id": self.leader_id,
+            "meta": dict(self.config.meta),
+            "observed_revision": self._observed_revision if watching else None,
+            "leader_expires_within": (
+                round(max(0.0, self._observed_at + self.config.ttl - now), 3) if watching else None
+            ),
+        }
+
+    # ------------------------------------------------------------ plumbing
+
+    def _state_log_level(self, old: ElectionState, new: ElectionState) -> int:
+        # Leading or not is news; a follower's campaigns (many while it waits
+        # for an old key to expire) are detail.
+        return (
+            logging.INFO
+            if ElectionState.LEADER in (old, new) or new is ElectionState.STOPPED
+            else logging.DEBUG
+        )
+
+    def _decides(self, old: ElectionState, new: ElectionState) -> bool:
+        # A lost campaign decides too: someone else leads.
+        return new is ElectionState.LEADER or (
+            new is ElectionState.FOLLOWER and old is ElectionState.CANDIDATE
+        )
+
+    def _decode(self, entry: KVEntry) -> LeaderRecord | None:
+        try:
+            return decode_record(entry.value, entry.revision)
+        except RecordFormatError as exc:
+            if self._bad_record_revision != entry.revision:
+                # Logged once per revision: someone else's data, treated as
+                # someone else's leadership until it expires or is deleted.
+                self._bad_record_revision = entry.revision
+                logger.warning(
+                    "%s: key holds a value that is not a leader record (%s); treating it as "
+                    "held by someone else",
+                    self.role,
+                    exc,
+                )
+            return None
+
+    def _record_bytes(self, token: FencingToken | str, epoch: int | None) -> bytes:
+        value = token.value if isinstance(token, FencingToken) else token
+        return encode_record(
+            instance_id=self.instance_id,
+            token=value,
+            epoch=epoch,
+            priority=self.config.priority,
+            meta=self.config.meta,
+        )
+
+    def _campaign_delay(self) -> float:
+        """Jitter plus a lag for every priority point below the best candidate known."""
+        best = max(self._roster.values(), default=self.config.priority)
+        lag = min(
+            c.MAX_PRIORITY_LAG_SECONDS,
+            self.config.priority_step * max(0, best - self.config.priority),
+        )
+        return lag + self._rng.uniform(0.0, self.config.campaign_jitter)
+
+    # --------------------------------------------------------- observation
+
+    def _observe(self, entry: KVEntry | None, *, authoritative: bool = False) -> None:
+        """Take note of what the key holds (from the watch, a read or a write)."""
+        now = self._clock.monotonic()
+        if entry is not None and entry.revision < self._observed_revision and not authoritative:
+            return  # an older event delivered late
+        if (
+            entry is not None
+            and entry.revision == self._observed_revision
+            and self._observed_present
+        ):
+            return
+        present = entry is not None and entry.operation is Operation.PUT
+        if entry is None and not self._observed_present and self._observed_revision == 0:
+            # Still empty: keep the campaign time already chosen.
+            return
+        previous_leader = self._leader
+        self._observed_revision = entry.revision if entry is not None else self._observed_revision
+        self._observed_present = present
+        self._observed_at = now
+        self._expiry_retry_until = 0.0
+        self._vacant_revision = 0
+        record = self._decode(entry) if present and entry is not None else None
+        if record is not None and record.is_fence and entry is not None:
+            # An operator ended the term: nobody leads; campaign now (after
+            # jitter), without waiting for the marker to expire.
+            self._leader = None
+            self._vacant_revision = entry.revision
+            self._campaign_at = now + self._campaign_delay()
+        elif present and entry is not None:
+            self._leader = record
+            # It can only have expired TTL after we first saw it.
+            self._campaign_at = now + self.config.ttl + self._campaign_delay()
+            # Someone else holds the role: we follow, and start() may return.
+            # (Without this, a candidate that learned of the leader from the
+            # watch before its first campaign waited a whole TTL in start().)
+            # Not while campaigning: that may be our own create, and the
+            # campaign's outcome decides.
+            if self._decided is not None and self._state is not ElectionState.CANDIDATE:
+                self._decided.set()
+        else:
+            self._leader = None
+            self._campaign_at = now + self._campaign_delay()
+        if (previous_leader is None) != (self._leader is None) or (
+            previous_leader is not None
+            and self._leader is not None
+            and (previous_leader.id, previous_leader.epoch) != (self._leader.id, self._leader.epoch)
+        ):
+            self._callbacks.submit(self._change_callbacks, self._leader)
+        if self._leader is not None:
+            self._roster.setdefault(self._leader.id, self._leader.priority)
+
+    def _on_watch(self, entry: KVEntry) -> None:
+        if self._state is ElectionState.STOPPED:
+            return
+        if self._state is ElectionState.LEADER and self._token is not None:
+            if entry.revision <= self._revision:
+                return
+            record = self._decode(entry) if entry.operation is Operation.PUT else None
+            if record is not None and record.token == self._token.value:
+                return  # our own renewal, seen before its acknowledgement
+            self._observe(entry)
+            reason = (
+                DemoteReason.KEY_DELETED
+                if entry.operation is not Operation.PUT
+                else DemoteReason.FENCED
+                if record is not None and record.is_fence
+                else DemoteReason.REVISION_CHANGED
+            )
+            logger.warning("%s: the key was written by someone else; stepping down", self.role)
+            self._demote(reason)
+            return
+        self._observe(entry)
+        self.wake()
+
+    # ----------------------------------------------------------- main loop
+
+    async def _loop(self) -> None:
+        while self._state is not ElectionState.STOPPED:
+            if self._state is ElectionState.LEADER:
+                await self._lead()
+            else:
+                await self._follow()
+
+    # ------------------------------------------------------------ follower
+
+    async def _follow(self) -> None:
+        assert self._bucket is not None
+        cfg = self.config
+        now = self._clock.monotonic()
+        if (
+            self._leader is not None
+            and self._leader.token in self._issued_tokens
+            and self._backend is not None
+            and self._backend.is_connected
+        ):
+            await self._clear_leftover(self._leader)
+            return
+        if self._observed_present and self._leader is not None:
+            await self._maybe_take_over(self._leader.id, self._leader.priority, now)
+        campaign_at = max(self._campaign_at, self._sit_out_until)
+        resync_at = self._last_read_at + cfg.resync_interval
+        if now >= campaign_at:
+            await self._campaign()
+            return
+        if now >= resync_at:
+            await self._resync()
+            return
+        await self._sleep_until(min(campaign_at, resync_at))
+
+    async def _resync(self) -> None:
+        """Read the key: backs up a watch that may miss expiries or go blind."""
+        assert self._bucket is not None
+        self._last_read_at = self._clock.monotonic()
+        try:
+            entry = await self._bucket.get(self.role, timeout=self.config.request_timeout)
+        except PERMANENT_ERRORS:
+            raise
+        except ElectionError as exc:
+            logger.debug("%s: resync read failed: %s", self.role, exc)
+            return
+        self._backoff.success()
+        if entry is None and self._observed_present:
+            # Gone without an event: expired. Campaign now (after jitter).
+            self._observe(None, authoritative=True)
+        elif entry is not None and entry.revision != self._observed_revision:
+            self._observe(entry, authoritative=True)
+
+    async def _campaign(self) -> None:
+        assert self._bucket is not None
+        cfg = self.config
+        self._set_state(ElectionState.CANDIDATE)
+        token_value = str(uuid.uuid4())
+        self._issued_tokens.append(token_value)
+        # What we knew when we decided to campaign. The watch may report the
+        # winner's record while our create is in flight; that record must not
+        # be mistaken for the one we expected to expire.
+        expected = (self._observed_revision, self._observed_present)
+        vacant = self._vacant_revision if self._observed_present else 0
+        send = self._clock.monotonic()
+        try:
+            if vacant:
+                # A fence marker holds the key: take it only at its revision,
+                # so exactly one candidate wins, as with a create.
+                revision = await self._bucket.update(
+                    cfg.role,
+                    self._record_bytes(token_value, None),
+                    last=vacant,
+                    timeout=cfg.request_timeout,
+                )
+            else:
+                revision = await self._bucket.create(
+                    cfg.role, self._record_bytes(token_value, None), timeout=cfg.request_timeout
+                )
+        except (KeyExistsError, RevisionMismatchError):
+            self._observer.campaign(self.role, self.instance_id, False)
+            await self._after_lost_campaign(*expected)
+            return
+        except BackendTimeoutError:
+            # The create may still have landed: a record carrying our token is ours.
+            self._unconfirmed_send = send
+            entry = await self._read_quietly()
+            record = self._decode(entry) if entry is not None else None
+            if entry is not None and record is not None and record.token == token_value:
+                self._win(FencingToken(record.epoch, token_value), entry.revision, send)
+                return
+            self._set_state(ElectionState.FOLLOWER)
+            self._observe(entry, authoritative=True)
+            if entry is None or entry.revision == expected[0]:
+                self._retry_later()
+            # else: someone else won meanwhile; follow it (the campaign is
+            # scheduled for when its record can expire), do not retry now.
+            return
+        except PERMANENT_ERRORS:
+            raise
+        except NotConnectedError:
+            # Nothing was sent, so nothing to back off from: look again soon.
+            self._set_state(ElectionState.FOLLOWER)
+            self._campaign_at = self._clock.monotonic() + min(0.25, cfg.heartbeat_interval / 4)
+            return
+        except BackendError as exc:
+            logger.debug("%s: campaign failed: %s", self.role, exc)
+            self._set_state(ElectionState.FOLLOWER)
+            self._retry_later()
+            return
+        self._observer.campaign(self.role, self.instance_id, True)
+        self._win(FencingToken(revision, token_value), revision, send)
+
+    def _retry_later(self) -> None:
+        delay = self._backoff.failure()
+        if self._backoff.circuit_open:
+            logger.warning(
+                "%s: %d failures in a row; waiting %.1fs before trying again",
+                self.role,
+                self._backoff.failures,
+                delay,
+            )
+        self._campaign_at = self._clock.monotonic() + delay
+
+    async def _after_lost_campaign(self, expected_revision: int, expected_present: bool) -> None:
+        """The key is held: learn by whom, or retry if it is only slow to expire.
+
+        Args:
+            expected_revision: The key's revision we knew of when we decided to campaign.
+            expected_present: Whether it held a record then (that we expected to expire).
+        """
+        entry = await self._read_quietly()
+        self._set_state(ElectionState.FOLLOWER)
+        now = self._clock.monotonic()
+        if entry is None:
+            # Freed between our create and our read: try again right away.
+            self._campaign_at = now + self._campaign_delay()
+            return
+        if entry.revision == expected_revision and expected_present:
+            # The record we expected to expire is still there: the server's
+            # expiry timer has a few milliseconds of slack. Retry briefly.
+            if self._expiry_retry_until == 0.0:
+                self._expiry_retry_until = now + max(0.5, self.config.ttl * 0.25)
+            if now < self._expiry_retry_until:
+                self._campaign_at = now + c.EXPIRY_RETRY_SECONDS
+                return
+            # Much later than possible: count from now, conservatively.
+            self._observed_revision = 0
+        self._observe(entry, authoritative=True)
+        self._backoff.success()
+
+    async def _read_quietly(self) -> KVEntry | None:
+        assert self._bucket is not None
+        try:
+            entry = await self._bucket.get(self.role, timeout=self.config.request_timeout)
+        except PERMANENT_ERRORS:
+            raise
+        except ElectionError:
+            return None
+        self._last_read_at = self._clock.monotonic()
+        return entry
+
+    async def _clear_leftover(self, record: LeaderRecord) -> None:
+        """Delete a record of ours from a term we no longer hold.
+
+        After a lost lease or connection, or when a write of ours that timed
+        out landed after we stepped down, the key still names us; left alone it
+        would keep the role empty until it expired.
+
+        Like a release, this waits for the demote callbacks first: while the
+        record stands no successor can start, so deleting it must not cut
+        short the time the callbacks have to stop leader work. A callback
+        that never returns only delays the successor until the record
+        expires, as if nothing were cleared.
+        """
+        assert self._bucket is not None
+        # Forget the tokens first: whatever happens below, this runs once.
+        self._issued_tokens.clear()
+        callbacks_done = self._callbacks.barrier()
+        await asyncio.wait({callbacks_done}, timeout=self.config.ttl)
+        if not callbacks_done.done():
+            logger.warning(
+                "%s: demote callbacks still running after %.1fs; leaving our old record to expire",
+                self.role,
+                self.config.ttl,
+            )
+            return
+        logger.info("%s: clearing a leftover record of ours (epoch %d)", self.role, record.epoch)
+        timeout = self.config.request_timeout
+        try:
+            entry = await self._bucket.get(self.role, timeout=timeout)
+            current = self._decode(entry) if entry is not None else None
+            if entry is not None and current is not None and current.token == record.token:
+                await self._bucket.delete(self.role, last=entry.revision, timeout=timeout)
+        except PERMANENT_ERRORS:
+            raise
+        except ElectionError as exc:
+            logger.debug("%s: could not clear the leftover record: %s", self.role, exc)
+        await self._resync()
+
+    # -------------------------------------------------------------- leader
+
+    def _win(self, token: FencingToken, revision: int, send: float) -> None:
+        cfg = self.config
+        now = self._clock.monotonic()
+        self._token = token
+        self._revision = revision
+        self._term_started_at = now
+        # Every renewal of the term writes the same bytes: encode them once.
+        self._renewal_value = self._record_bytes(token, token.epoch)
+        self._confirm(send)
+        # The watch may have delivered our own create before its acknowledgement
+        # (we were still a candidate): the change was reported then already.
+        previous = self._leader
+        already_reported = (
+            previous is not None and previous.token == token.value and previous.epoch == token.epoch
+        )
+        self._leader = LeaderRecord(
+            id=cfg.instance_id,
+            token=token.value,
+            epoch=token.epoch,
+            revision=revision,
+            priority=cfg.priority,
+            meta=dict(cfg.meta),
+        )
+        self._observed_revision = revision
+        self._observed_present = True
+        self._observed_at = now
+        self._release_reason = None
+        self._disconnected_since = None
+        self._backoff.success()
+        self._set_state(ElectionState.LEADER)
+        logger.info("%s: promoted, epoch %d", self.role, token.epoch)
+        if not already_reported:
+            self._callbacks.submit(self._change_callbacks, self._leader)
+        self._notify_promoted(token)
+        self._watch_health(token)
+
+    def _confirm(self, send: float) -> None:
+        """A write of ours is known stored: the lease runs from its send time.
+
+        If an earlier write's outcome was unknown, the stored revision may be
+        that one: count from the oldest unconfirmed send to stay safe.
+        """
+        if self._unconfirmed_send is not None:
+            send = min(send, self._unconfirmed_send)
+            self._unconfirmed_send = None
+        self._last_confirmed_send = max(self._last_confirmed_send, send)
+        self._lease_deadline = send + self.config.lease_seconds
+        self._arm_deadline_timer()
+
+    def _arm_deadline_timer(self) -> None:
+        """Demote exactly at the lease deadline, whatever the lead loop is awaiting.
+
+        The loop may be inside a renewal or a read when the lease runs out;
+        the demotion (and the demote callbacks that stop leader work) must
+        not wait for that call to time out.
+        """
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, self._lease_deadline - self._clock.monotonic())
+        self._deadline_timer = loop.call_later(delay, self._on_deadline, self._token)
+
+    def _on_deadline(self, token: FencingToken | None) -> None:
+        self._deadline_timer = None
+        if self._state is not ElectionState.LEADER or self._token is not token:
+            return
+        if self._lease_valid():
+            self._arm_deadline_timer()  # renewed meanwhile (or an injected clock)
+            return
+        logger.warning(
+            "%s: no renewal confirmed for %.3fs; lease over, stepping down",
+            self.role,
+            self._clock.monotonic() - self._last_confirmed_send,
+        )
+        self._demote(DemoteReason.LEASE_EXPIRED)
+
+    def _cancel_deadline_timer(self) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+
+    def _demote(self, reason: DemoteReason) -> None:
+        """Stop leading at once (state first, callbacks after)."""
+        if self._state is not ElectionState.LEADER:
+            return
+        self._token = None
+        self._lease_deadline = 0.0
+        self._cancel_deadline_timer()
+        if reason is DemoteReason.FENCED:
+            # The operator fenced this process because it was stuck: let a
+            # live candidate take the role rather than campaign again at once.
+            self._sit_out_until = self._clock.monotonic() + self.config.ttl
+        self._set_state(ElectionState.FOLLOWER)
+        logger.info("%s: demoted (%s)", self.role, reason.value)
+        self._stop_health_watch()
+        self._notify_demoted(reason)
+        self.wake()
+
+    async def _lead(self) -> None:
+        cfg = self.config
+        next_renew = self._last_confirmed_send + cfg.heartbeat_interval
+        next_validation = (
+            self._clock.monotonic() + cfg.validation_interval if cfg.validation_interval else None
+        )
+        # While disconnected, look often enough to honour the grace period.
+        disconnected_poll = cfg.disconnect_grace / 8
+        while self._state is ElectionState.LEADER:
+            now = self._clock.monotonic()
+            if now >= self._lease_deadline:
+                self._on_deadline(self._token)
+                return
+            if self._release_reason is not None:
+                await self._release(self._release_reason)
+                return
+            if self._check_disconnected(now):
+                return
+            if self._disconnected_since is not None:
+                # A write now would be refused anyway; wait for the connection.
+                await self._sleep_until(
+                    min(
+                        self._lease_deadline,
+                        self._disconnected_since + cfg.disconnect_grace,
+                        now + disconnected_poll,
+                    )
+                )
+                continue
+            if now >= next_renew:
+                next_renew = await self._renew()
+                continue
+            if next_validation is not None and now >= next_validation:
+                await self.validate_token()
+                next_validation = now + cfg.validation_interval
+                continue
+            wake_at = min(next_renew, self._lease_deadline)
+            if next_validation is not None:
+                wake_at = min(wake_at, next_validation)
+            await self._sleep_until(wake_at)
+
+    def _check_disconnected(self, now: float) -> bool:
+        assert self._backend is not None
+        if self._backend.is_connected:
+            self._disconnected_since = None
+            return False
+        if self._disconnected_since is None:
+            self._disconnected_since = now
+            logger.warning("%s: leader lost its NATS connection", self.role)
+        if now - self._disconnected_since >= self.config.disconnect_grace:
+            logger.warning(
+                "%s: disconnected for %.3fs (grace %.3fs); stepping down",
+                self.role,
+                now - self._disconnected_since,
+                self.config.disconnect_grace,
+            )
+            self._demote(DemoteReason.DISCONNECTED)
+            return True
+        return False
+
+    async def _renew(self) -> float:
+        """One renewal. Returns when the next one is due."""
+        assert self._bucket is not None and self._token is not None
+        cfg = self.config
+        token = self._token
+        send = self._clock.monotonic()
+        timeout = max(0.001, min(cfg.request_timeout, self._lease_deadline - send))
+        try:
+            revision = await self._bucket.update(
+                cfg.role,
+                self._renewal_value,
+                last=self._revision,
+                timeout=timeout,
+            )
+        except (RevisionMismatchError, BackendTimeoutError) as exc:
+            self._observer.heartbeat(
+                self.role, self.instance_id, self._clock.monotonic() - send, False
+            )
+            if isinstance(exc, BackendTimeoutError):
+                self._unconfirmed_send = (
+                    send if self._unconfirmed_send is None else self._unconfirmed_send
+                )
+            return await self._reconcile_renewal(token, send)
+        except PERMANENT_ERRORS:
+            raise
+        except BackendError as exc:
+            self._observer.heartbeat(
+                self.role, self.instance_id, self._clock.monotonic() - send, False
+            )
+            delay = min(self._backoff.failure(), cfg.heartbeat_interval / 2)
+            logger.debug("%s: renewal failed (%s); retrying in %.3fs", self.role, exc, delay)
+            return self._clock.monotonic() + delay
+        if self._token is not token:
+            return send  # demoted while the write was in flight
+        self._observer.heartbeat(self.role, self.instance_id, self._clock.monotonic() - send, True)
+        self._revision = revision
+        self._observed_revision = max(self._observed_revision, revision)
+        self._confirm(send)
+        self._backoff.success()
+        logger.debug("%s: renewed at revision %d", self.role, revision)
+        return send + cfg.heartbeat_interval
+
+    async def _reconcile_renewal(self, token: FencingToken, send: float) -> float:
+        """A renewal failed or timed out: read the key to learn what happened."""
+        assert self._bucket is not None
+        cfg = self.config
+        timeout = max(
+            0.001, min(cfg.request_timeout, self._lease_deadline - self._clock.monotonic())
+        )
+        try:
+            entry = await self._bucket.get(cfg.role, timeout=timeout)
+        except PERMANENT_ERRORS:
+            raise
+        except ElectionError:
+            # Still unknown: try again soon; the lease deadline bounds this.
+            return self._clock.monotonic() + min(
+                self._backoff.failure(), cfg.heartbeat_interval / 2
+            )
+        if self._token is not token:
+            return send
+        record = self._decode(entry) if entry is not None else None
+        if entry is not None and record is not None and record.token == token.value:
+            if entry.revision != self._revision:
+                # Our write landed after all.
+                self._revision = entry.revision
+                self._confirm(send)
+                return send + cfg.heartbeat_interval
+            return self._clock.monotonic() + min(
+                self._backoff.failure(), cfg.heartbeat_interval / 2
+            )
+        self._observe(entry, authoritative=True)
+        reason = (
+            DemoteReason.KEY_DELETED
+            if entry is None
+            else DemoteReason.FENCED
+            if record is not None and record.is_fence
+            else DemoteReason.REVISION_CHANGED
+        )
+        logger.warning("%s: the key no longer holds our term; stepping down", self.role)
+        self._demote(reason)
+        return send
+
+    async def _release(self, reason: DemoteReason) -> None:
+        """Graceful hand-over: demote callbacks first, then delete our key."""
+        token, revision = self._token, self._revision
+        if self._state is not ElectionState.LEADER or token is None:
+            return
+        self._release_reason = None
+        self._token = None
+        self._lease_deadline = 0.0
+        self._cancel_deadline_timer()
+        # Sit out one TTL so that someone else takes the role.
+        self._sit_out_until = self._clock.monotonic() + self.config.ttl
+        self._set_state(ElectionState.FOLLOWER)
+        logger.info("%s: stepping down (%s)", self.role, reason.value)
+        self._stop_health_watch()
+        await self._notify_demoted(reason)
+        await self._delete_own_key(token, revision)
+        self.wake()
+
+    async def _delete_own_key(self, token: FencingToken, revision: int) -> None:
+        """Delete the key only at our revision: never a successor's record."""
+        assert self._bucket is not None
+        timeout = self.config.request_timeout
+        try:
+            await self._bucket.delete(self.role, last=revision, timeout=timeout)
+            logger.info("%s: released the key (epoch %d)", self.role, token.epoch)
+            return
+        except RevisionMismatchError:
+            pass
+        except ElectionError as exc:
+            logger.warning("%s: could not release the key (%s); it will expire", self.role, exc)
+            return
+        # Our revision is stale (a renewal in flight may have landed): delete
+        # only if the key still carries our token.
+        try:
+            entry = await self._bucket.get(self.role, timeout=timeout)
+            record = self._decode(entry) if entry is not None else None
+            if entry is not None and record is not None and record.token == token.value:
+                await self._bucket.delete(self.role, last=entry.revision, timeout=timeout)
+                logger.info("%s: released the key (epoch %d)", self.role, token.epoch)
+        except ElectionError as exc:
+            logger.warning("%s: could not release the key (%s); it will expire", self.role, exc)
+
+    async def _announce(self, body: dict[str, Any]) -> None:
+        if self._backend is None:
+            return
+        cfg = self.config
+        with contextlib.suppress(ElectionError):
+            await self._backend.publish(
+                control_subject(cfg.bucket, cfg.role, c.ROSTER_VERB), json.dumps(body).encode()
+            )
+
+    async def _on_roster(self, data: bytes, reply: str | None) -> None:
+        try:
+            body = json.loads(data) if data else {}
+        except ValueError:
+            return
+        if isinstance(body, dict):
+            hello = body.get("hello")
+            if isinstance(hello, dict) and isinstance(hello.get("id"), str):
+                priority = hello.get("priority", 0)
+                priority = priority if isinstance(priority, int) else 0
+                self._roster[hello["id"]] = priority
+                # Introduce ourselves back only if we are preferred over the
+                # newcomer: its campaign delay depends only on the best
+                # priority above its own. Every member answering every hello
+                # (with a broadcast) cost N² messages when N candidates
+                # started together, enough to starve the leader's renewals.
+                if (
+                    hello["id"] != self.instance_id
+                    and reply is None
+                    and self.config.priority > priority
+                ):
+                    await self._announce(
+                        {"known": {"id": self.instance_id, "priority": self.config.priority}}
+                    )
+            known = body.get("known")
+            if isinstance(known, dict) and isinstance(known.get("id"), str):
+                priority = known.get("priority", 0)
+                self._roster[known["id"]] = priority if isinstance(priority, int) else 0
+            bye = body.get("bye")
+            if isinstance(bye, dict) and bye.get("id") != self.instance_id:
+                self._roster.pop(str(bye.get("id")), None)
+        if reply and self._backend is not None:
+            await self._respond(reply, self.describe())
+
+
+# The states, reasons, callback types and control_subject were defined here
+# first (now in election_base): they stay importable from this module.
+__all__ = [
+    "PERMANENT_ERRORS",
+    "DemoteCallback",
+    "DemoteReason",
+    "Election",
+    "ElectionState",
+    "ErrorCallback",
+    "LeaderChangeCallback",
+    "PromoteCallback",
+    "control_subject",
+]

@@ -1,0 +1,575 @@
+"""The JetStream backend: the only module that talks to NATS JetStream.
+
+Every nats-py error is translated here into the package's errors, with
+``raise ... from`` so the original stays attached.
+
+Election writes never sit in nats-py's reconnect buffer: a write is refused
+with :class:`~celery_nats_leader.errors.NotConnectedError` while the
+connection is down (a buffered renewal could land long after the leader
+stepped down). Connections made by :func:`celery_nats_leader.nats.connection.connect`
+also disable the buffer entirely (``pending_size=0``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.client import JetStreamContext
+from nats.js.kv import KeyValue
+
+from celery_nats_leader.backend import KVEntry, MessageHandler, Operation, WatchCallback
+from celery_nats_leader.errors import (
+    BackendError,
+    BackendTimeoutError,
+    BucketConfigError,
+    BucketNotFoundError,
+    JetStreamUnavailableError,
+    KeyExistsError,
+    NotConnectedError,
+    PermissionDeniedError,
+    RevisionMismatchError,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# JetStream API error codes (nats-server's errors.json).
+_STREAM_NOT_FOUND = 10059
+_NO_MESSAGE_FOUND = 10037
+_WRONG_LAST_SEQUENCE = 10071
+_WRONG_LAST_SEQUENCE_CONSTANT = 10164
+_KV_OPERATION = "KV-Operation"
+_EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
+# Seconds of slack tolerated between the bucket's max_age and the election TTL.
+_TTL_TOLERANCE = 0.001
+
+
+def _bucket_missing_message(name: str, ttl: float) -> str:
+    return (
+        f"KV bucket {name!r} does not exist. Create it once with "
+        f"`nats kv add {name} --ttl {ttl:g}s --history 1` or `manage.py election_bucket "
+        f"--create`, or set create_bucket=True (nats_leader_create_bucket in Celery)."
+    )
+
+
+def _persistent_bucket_missing_message(name: str) -> str:
+    return (
+        f"KV bucket {name!r} does not exist. Create it once with "
+        f"`nats kv add {name} --history 1` (no --ttl: its data must not expire), "
+        f"or set create_bucket=True (nats_leader_create_bucket in Celery)."
+    )
+
+
+def _retrieve_outcome(request: asyncio.Future[Any]) -> None:
+    """Mark a finished request's exception as seen (its caller may be gone)."""
+    if not request.cancelled():
+        request.exception()
+
+
+class JetStreamSubscription:
+    """A core NATS subscription or a KV watch, behind one ``unsubscribe``."""
+
+    def __init__(self, stop: Callable[[], Awaitable[None]]) -> None:
+        self._stop: Callable[[], Awaitable[None]] | None = stop
+
+    async def unsubscribe(self) -> None:
+        """Stop delivering; idempotent."""
+        stop, self._stop = self._stop, None
+        if stop is not None:
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                await stop()
+
+
+class JetStreamBucket:
+    """A JetStream KV bucket, addressed through its stream ``KV_<name>``."""
+
+    def __init__(self, backend: JetStreamBackend, name: str, kv: KeyValue) -> None:
+        self.name = name
+        self._backend = backend
+        self._kv = kv
+        self._stream = f"KV_{name}"
+        self._prefix = f"$KV.{name}."
+
+    @property
+    def _js(self) -> JetStreamContext:
+        return self._backend.js
+
+    async def create(self, key: str, value: bytes, *, timeout: float) -> int:
+        """Write ``value`` only if ``key`` holds nothing; return the new revision."""
+        try:
+            return await self._write(key, value, last=0, timeout=timeout)
+        except RevisionMismatchError:
+            pass
+        # Something is stored under the key: a live value, or a delete marker
+        # left by a graceful release. Only the latter may be overwritten, and
+        # only at exactly that revision, so the create stays atomic.
+        current = await self._latest(key, timeout=timeout)
+        if current is not None and current.operation is Operation.PUT:
+            raise KeyExistsError(f"{key!r} is held at revision {current.revision}")
+        last = 0 if current is None else current.revision
+        try:
+            return await self._write(key, value, last=last, timeout=timeout)
+        except RevisionMismatchError as exc:
+            raise KeyExistsError(f"{key!r} was taken concurrently") from exc
+
+    async def update(self, key: str, value: bytes, *, last: int, timeout: float) -> int:
+        """Write ``value`` only if ``key``'s latest revision is ``last``."""
+        return await self._write(key, value, last=last, timeout=timeout)
+
+    async def put(self, key: str, value: bytes, *, timeout: float) -> int:
+        """Write ``value`` unconditionally; return the revision."""
+        return await self._write(key, value, last=None, timeout=timeout)
+
+    async def delete(self, key: str, *, last: int, timeout: float) -> None:
+        """Delete ``key`` only if its latest revision is ``last``."""
+        headers = {_KV_OPERATION: Operation.DELETE.value}
+        await self._write(key, b"", last=last, timeout=timeout, headers=headers)
+
+    async def _write(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        last: int | None,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> int:
+        self._backend.require_connected()
+        hdrs = dict(headers or {})
+        if last is not None:
+            hdrs[_EXPECTED_LAST_SUBJECT_SEQUENCE] = str(last)
+        ack = await self._backend.call(
+            # nats-py bounds the publish request by ``timeout`` itself.
+            self._js.publish(self._prefix + key, value, timeout=timeout, headers=hdrs),
+            timeout=timeout,
+            bucket=self.name,
+            bounded=True,
+        )
+        return int(ack.seq)
+
+    async def get(self, key: str, *, timeout: float) -> KVEntry | None:
+        """Return the key's latest value, or ``None`` if absent or deleted."""
+        entry = await self._latest(key, timeout=timeout)
+        if entry is None or entry.operation is not Operation.PUT:
+            return None
+        return entry
+
+    async def _latest(self, key: str, *, timeout: float) -> KVEntry | None:
+        subject = self._prefix + key
+        try:
+            msg = await self._backend.call(
+                self._js.get_msg(self._stream, subject=subject, direct=False),
+                timeout=timeout,
+                bucket=self.name,
+            )
+        except _NoMessage:
+            return None
+        op = Operation.PUT
+        if msg.headers:
+            op_header = msg.headers.get(_KV_OPERATION)
+            if op_header == Operation.DELETE.value:
+                op = Operation.DELETE
+            elif op_header == Operation.PURGE.value:
+                op = Operation.PURGE
+        return KVEntry(key=key, value=msg.data or b"", revision=int(msg.seq or 0), operation=op)
+
+    async def watch(self, key: str, callback: WatchCallback) -> JetStreamSubscription:
+        """Call ``callback`` with the key's current entry and every later change.
+
+        All watches of one bucket on one connection share a single KV watch
+        (one ordered consumer on the whole bucket), dispatched by key: nats-py
+        runs background tasks per consumer, and a process holding a thousand
+        roles must not pay for a thousand of them.
+        """
+        shared = await self._backend.shared_watch(self)
+        unregister = shared.register(key, callback)
+        try:
+            # The shared watch may have started long ago: hand over the
+            # current entry ourselves, after registering so nothing is missed
+            # (the election ignores entries older than one it has seen).
+            current = await self._latest(key, timeout=self._backend.js_timeout)
+        except BaseException:
+            await unregister()
+            raise
+        if current is not None:
+            callback(current)
+        return JetStreamSubscription(unregister)
+
+    async def watch_all(self, callback: WatchCallback) -> Callable[[], Awaitable[None]]:
+        """Deliver every change of every key to ``callback``; returns the stop function."""
+        watcher = await self._backend.call(
+            self._kv.watchall(), timeout=self._backend.js_timeout, bucket=self.name
+        )
+
+        async def pump() -> None:
+            async for update in watcher:
+                if update is None:  # "no more history" marker
+                    continue
+                op = Operation.PUT
+                if update.operation == Operation.DELETE.value:
+                    op = Operation.DELETE
+                elif update.operation == Operation.PURGE.value:
+                    op = Operation.PURGE
+                callback(
+                    KVEntry(
+                        key=update.key,
+                        value=update.value or b"",
+                        revision=int(update.revision or 0),
+                        operation=op,
+                    )
+                )
+
+        task = asyncio.get_running_loop().create_task(pump(), name=f"kv-watch-{self.name}")
+
+        async def stop() -> None:
+            with contextlib.suppress(Exception):
+                await watcher.stop()  # type: ignore[no-untyped-call]
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        return stop
+
+    async def entries(self, *, timeout: float) -> list[KVEntry]:
+        """Return the latest value of every key that holds one."""
+
+        async def collect() -> list[KVEntry]:
+            watcher = await self._kv.watchall()
+            found: list[KVEntry] = []
+            try:
+                async for update in watcher:
+                    if update is None:
+                        break
+                    if update.operation is None:
+                        found.append(
+                            KVEntry(
+                                key=update.key,
+                                value=update.value or b"",
+                                revision=int(update.revision or 0),
+                            )
+                        )
+                    if update.delta == 0:
+                        break
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()  # type: ignore[no-untyped-call]
+            return found
+
+        return await self._backend.call(collect(), timeout=timeout, bucket=self.name)
+
+    async def ttl(self, *, timeout: float) -> float:
+        """Return the bucket's ``max_age`` in seconds."""
+        status = await self._backend.call(self._kv.status(), timeout=timeout, bucket=self.name)
+        return float(status.ttl or 0.0)
+
+
+class _SharedWatch:
+    """One KV watch of a whole bucket, fanned out to per-key callbacks."""
+
+    def __init__(self, on_empty: Callable[[], Awaitable[None]]) -> None:
+        self.callbacks: dict[str, list[WatchCallback]] = {}
+        self.stop: Callable[[], Awaitable[None]] | None = None
+        self.ready = asyncio.Event()
+        self._on_empty = on_empty
+
+    def dispatch(self, entry: KVEntry) -> None:
+        for callback in list(self.callbacks.get(entry.key, ())):
+            try:
+                callback(entry)
+            except Exception:
+                logger.exception("watch callback for %r failed", entry.key)
+
+    def register(self, key: str, callback: WatchCallback) -> Callable[[], Awaitable[None]]:
+        self.callbacks.setdefault(key, []).append(callback)
+
+        async def unregister() -> None:
+            callbacks = self.callbacks.get(key, [])
+            with contextlib.suppress(ValueError):
+                callbacks.remove(callback)
+            if not callbacks:
+                self.callbacks.pop(key, None)
+            if not self.callbacks:
+                await self._on_empty()
+
+        return unregister
+
+
+class _NoMessage(Exception):
+    """Internal: a direct get found no message for the subject."""
+
+
+class JetStreamBackend:
+    """The election backend on a nats-py connection.
+
+    Args:
+        nc: A connected nats-py client. It is not closed by this object.
+        js_timeout: Default timeout for JetStream API calls, seconds.
+
+    """
+
+    def __init__(self, nc: Client, *, js_timeout: float = 5.0) -> None:
+        self.nc = nc
+        self.js_timeout = js_timeout
+        self.js = nc.jetstream(timeout=js_timeout)
+        self._watches: dict[str, _SharedWatch] = {}
+
+    async def _stop_shared_watch(self, name: str, shared: _SharedWatch) -> None:
+        if self._watches.get(name) is shared and shared.stop is not None:
+            del self._watches[name]
+            await shared.stop()
+
+    async def shared_watch(self, bucket: JetStreamBucket) -> _SharedWatch:
+        """The bucket's shared watch on this connection.
+
+        Started by the first watch of the bucket, stopped when the last one
+        leaves (so nothing outlives the elections that used it).
+        """
+        shared = self._watches.get(bucket.name)
+        if shared is None:
+            new = _SharedWatch(lambda: self._stop_shared_watch(bucket.name, new))
+            shared = self._watches[bucket.name] = new
+            try:
+                shared.stop = await bucket.watch_all(shared.dispatch)
+            except BaseException:
+                del self._watches[bucket.name]
+                shared.ready.set()
+                raise
+            shared.ready.set()
+        else:
+            await shared.ready.wait()
+            if bucket.name not in self._watches:  # its start failed
+                return await self.shared_watch(bucket)
+        return shared
+
+    @property
+    def is_connected(self) -> bool:
+        """Whether the connection is up right now."""
+        return bool(self.nc.is_connected)
+
+    def require_connected(self) -> None:
+        """Refuse to hand a write to nats-py while the connection is down.
+
+        Raises:
+            NotConnectedError: The connection is not up.
+
+        """
+        if not self.nc.is_connected:
+            raise NotConnectedError("not connected to NATS; write not sent")
+
+    async def call(
+        self, awaitable: Awaitable[T], *, timeout: float, bucket: str, bounded: bool = False
+    ) -> T:
+        """Await a nats-py call under ``timeout``, translating its errors.
+
+        Args:
+            awaitable: The nats-py coroutine.
+            timeout: Seconds before the outcome is declared unknown.
+            bucket: Bucket name, for error messages.
+            bounded: The call enforces ``timeout`` itself (a request given
+                that timeout): awaited directly, without the task and timer
+                an outer ``wait_for`` costs on every renewal.
+
+        Returns:
+            The call's result.
+
+        """
+        try:
+            if bounded:
+                return await awaitable
+            request = asyncio.ensure_future(awaitable)
+            # If our caller is cancelled (stop()) just as the answer arrives, the
+            # request can finish with an error nobody reads, and asyncio logs
+            # "Task exception was never retrieved" at garbage collection.
+            request.add_done_callback(_retrieve_outcome)
+            return await asyncio.wait_for(request, timeout)
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            raise RevisionMismatchError(str(exc)) from exc
+        except nats.js.errors.NotFoundError as exc:
+            if exc.err_code == _NO_MESSAGE_FOUND or isinstance(
+                exc, nats.js.errors.KeyNotFoundError
+            ):
+                raise _NoMessage from exc
+            if exc.err_code == _STREAM_NOT_FOUND or isinstance(
+                exc, nats.js.errors.BucketNotFoundError
+            ):
+                raise BucketNotFoundError(
+                    f"KV bucket {bucket!r} no longer exists (deleted while in use?)"
+                ) from exc
+            raise BackendError(f"JetStream: {exc}") from exc
+        except nats.js.errors.APIError as exc:
+            if exc.err_code in (_WRONG_LAST_SEQUENCE, _WRONG_LAST_SEQUENCE_CONSTANT):
+                raise RevisionMismatchError(str(exc.description)) from exc
+            if exc.code == 403 or "permission" in str(exc.description or "").lower():
+                raise PermissionDeniedError(f"JetStream refused: {exc}") from exc
+            raise BackendError(f"JetStream: {exc}") from exc
+        except nats.js.errors.NoStreamResponseError as exc:
+            # Nobody serves the bucket's subjects: the bucket is gone, unless
+            # the stream is merely between leaders in a cluster. Ask.
+            if await self._stream_missing(bucket):
+                raise BucketNotFoundError(
+                    f"KV bucket {bucket!r} no longer exists (deleted while in use?)"
+                ) from exc
+            raise BackendError(f"no response from bucket {bucket!r}") from exc
+        except (asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
+            raise BackendTimeoutError(f"no answer within {timeout:g}s") from exc
+        except (
+            nats.errors.OutboundBufferLimitError,
+            nats.errors.ConnectionReconnectingError,
+        ) as exc:
+            raise NotConnectedError("not connected to NATS") from exc
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
+            raise NotConnectedError("the NATS connection is closed") from exc
+        except nats.errors.NoRespondersError as exc:
+            raise BackendError("no responders") from exc
+        except nats.errors.Error as exc:
+            raise BackendError(f"NATS: {exc}") from exc
+
+    async def _stream_missing(self, bucket: str) -> bool:
+        try:
+            await asyncio.wait_for(self.js.stream_info(f"KV_{bucket}"), self.js_timeout)
+        except nats.js.errors.NotFoundError as exc:
+            return exc.err_code == _STREAM_NOT_FOUND
+        except (nats.errors.Error, asyncio.TimeoutError):
+            return False
+        return False
+
+    async def open_bucket(
+        self,
+        name: str,
+        *,
+        ttl: float | None,
+        create: bool,
+        replicas: int,
+        timeout: float,
+        persistent: bool = False,
+    ) -> JetStreamBucket:
+        """Open (and optionally create) a bucket, checking its ``max_age``.
+
+        With ``persistent`` the bucket holds data that must not expire: it is
+        created without ``max_age`` and refused if it has one.
+        """
+        timeout = max(timeout, self.js_timeout)
+        try:
+            kv = await asyncio.wait_for(self.js.key_value(name), timeout)
+        except nats.js.errors.BucketNotFoundError as exc:
+            if persistent:
+                if not create:
+                    raise BucketNotFoundError(_persistent_bucket_missing_message(name)) from exc
+            elif not create or ttl is None:
+                raise BucketNotFoundError(_bucket_missing_message(name, ttl or 10.0)) from exc
+            kv = await self._create_bucket(
+                name, ttl=None if persistent else ttl, replicas=replicas, timeout=timeout
+            )
+        except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
+            raise JetStreamUnavailableError(
+                "the NATS server has no JetStream: start nats-server with -js "
+                "(or enable jetstream {} in its configuration)"
+            ) from exc
+        except (asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
+            raise BackendTimeoutError(f"opening KV bucket {name!r} timed out") from exc
+        bucket = JetStreamBucket(self, name, kv)
+        if persistent:
+            max_age = await bucket.ttl(timeout=timeout)
+            if max_age > 0:
+                raise BucketConfigError(
+                    f"KV bucket {name!r} has max_age={max_age:g}s, but its data must not expire. "
+                    f"Recreate it without a TTL (`nats kv add {name} --history 1`) or use "
+                    f"another bucket."
+                )
+            return bucket
+        if ttl is None:
+            return bucket
+        actual = await bucket.ttl(timeout=timeout)
+        if abs(actual - ttl) > _TTL_TOLERANCE:
+            raise BucketConfigError(
+                f"KV bucket {name!r} has max_age={actual:g}s but the election ttl is {ttl:g}s. "
+                f"They must be equal: set ttl={actual:g}, or recreate the bucket with "
+                f"--ttl {ttl:g}s (or use another bucket)."
+            )
+        return bucket
+
+    async def _create_bucket(
+        self, name: str, *, ttl: float | None, replicas: int, timeout: float
+    ) -> Any:
+        config = KeyValueConfig(
+            bucket=name, history=1, ttl=ttl, replicas=replicas, storage=StorageType.FILE
+        )
+        try:
+            return await asyncio.wait_for(self.js.create_key_value(config), timeout)
+        except nats.js.errors.BadRequestError:
+            # Another candidate created it first (or its settings differ, which
+            # the max_age check that follows reports).
+            return await asyncio.wait_for(self.js.key_value(name), timeout)
+        except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
+            raise JetStreamUnavailableError(
+                "the NATS server has no JetStream: start nats-server with -js"
+            ) from exc
+
+    async def subscribe(self, subject: str, handler: MessageHandler) -> JetStreamSubscription:
+        """Deliver messages on ``subject`` to ``handler``."""
+
+        async def on_message(msg: Msg) -> None:
+            try:
+                await handler(msg.data, msg.reply or None)
+            except Exception:
+                logger.exception("handler for %s failed", subject)
+
+        sub = await self.nc.subscribe(subject, cb=on_message)
+        return JetStreamSubscription(sub.unsubscribe)
+
+    async def publish(self, subject: str, data: bytes, reply: str | None = None) -> None:
+        """Publish one message; dropped while disconnected."""
+        if not self.nc.is_connected:
+            return
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.publish(subject, data, reply=reply or "")
+
+    async def request(self, subject: str, data: bytes, *, timeout: float) -> bytes:
+        """Send a request and return the first reply."""
+        self.require_connected()
+        try:
+            msg = await self.nc.request(subject, data, timeout=timeout)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+            raise BackendTimeoutError(f"no reply on {subject} within {timeout:g}s") from exc
+        except nats.errors.NoRespondersError as exc:
+            raise BackendTimeoutError(f"nobody answers on {subject}") from exc
+        except nats.errors.Error as exc:
+            raise BackendError(f"NATS: {exc}") from exc
+        return bytes(msg.data)
+
+    async def request_many(
+        self, subject: str, data: bytes, *, window: float, max_replies: int | None = None
+    ) -> list[bytes]:
+        """Send a request and collect every reply that arrives within ``window``."""
+        self.require_connected()
+        inbox = self.nc.new_inbox()
+        replies: list[bytes] = []
+        enough = asyncio.Event()
+
+        async def on_reply(msg: Msg) -> None:
+            replies.append(bytes(msg.data))
+            if max_replies is not None and len(replies) >= max_replies:
+                enough.set()
+
+        sub = await self.nc.subscribe(inbox, cb=on_reply)
+        try:
+            await self.nc.publish(subject, data, reply=inbox)
+            await self.nc.flush(timeout=max(1, round(window)))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(enough.wait(), window)
+        except nats.errors.Error as exc:
+            raise BackendError(f"NATS: {exc}") from exc
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        return list(replies)

@@ -1,0 +1,13 @@
+"""The Celery worker wiring.
+
+* :mod:`.bootstep`: ``install(app)`` and the bootstep that builds, starts and
+  stops the :class:`~.service.LeaderService`.
+* :mod:`.service`: one elector per worker process tree, leader queues,
+  signals and metrics.
+* :mod:`.state`: leadership as prefork children see it (shared memory plus a
+  per-process reader of the role's key).
+* :mod:`.tasks`: ``@leader_only``, the leader task class and its routing.
+* :mod:`.signals`: ``leader_promoted`` / ``leader_demoted``.
+
+This package imports nothing on import: :mod:`.state` is usable without Celery.
+"""
