@@ -29,6 +29,7 @@ from celery_nats_leader.election import DemoteReason
 from celery_nats_leader.election.observer import ElectionObserver
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import ConfigError, ElectionError
+from celery_nats_leader.probes import ProbeServer
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 from celery_nats_leader.worker import state as worker_state
@@ -73,6 +74,7 @@ class LeaderService:
 
             self.metrics = PrometheusObserver()
         self.metrics_port: int | None = None
+        self.probes: ProbeServer | None = None
         self.elector = Elector(
             settings.servers,
             connect_options=settings.connect_options,
@@ -187,8 +189,10 @@ class LeaderService:
         settings = self.settings
         if self.metrics is not None and settings.metrics_port is not None:
             port = int(settings.metrics_port)
+            # /metrics, /healthz and /readyz of this worker on one port.
+            self.probes = ProbeServer.for_elector(self.elector, registry=self.metrics.registry)
             try:
-                self.metrics_port = self.metrics.serve(port, settings.metrics_address)
+                self.metrics_port = self.probes.serve(port, settings.metrics_address)
             except OSError as exc:
                 raise ConfigError(
                     f"nats_leader_metrics_port={port}: cannot serve metrics on "
@@ -230,8 +234,8 @@ class LeaderService:
             # Demote callbacks run, then each held key is deleted.
             self.elector.stop()
         self.shared.clear_all()
-        if self.metrics is not None:
-            self.metrics.close()
+        if self.probes is not None:
+            self.probes.close()
 
     # ---------------------------------------------- publishing to children
 
