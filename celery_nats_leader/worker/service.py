@@ -72,7 +72,7 @@ class LeaderService:
             # Imported only when asked for: prometheus-client is an optional extra.
             from celery_nats_leader.prometheus import PrometheusObserver
 
-            self.metrics = PrometheusObserver()
+            self.metrics = PrometheusObserver(bucket=settings.bucket)
         self.metrics_port: int | None = None
         self.probes: ProbeServer | None = None
         self.elector = Elector(
@@ -91,6 +91,8 @@ class LeaderService:
             handle.on_demote(functools.partial(self._on_demote, role))
             handle.on_error(functools.partial(self._on_error, role))
             self._handles[role] = handle
+        if self.metrics is not None:
+            self.metrics.watch_elector(self.elector, self.instance_id)
         self.queues = LeaderQueueController(app, self.queue_names, self.is_leader)
         self._refresher: Any = None
         self._started = False

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import urllib.error
 import urllib.request
 from typing import Any
@@ -10,6 +12,9 @@ from typing import Any
 import pytest
 from cnl_celery_harness import Cluster, wait_for
 
+from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.ops.fence import fence_leader
 from celery_nats_leader.testing import free_port
 
 pytestmark = [pytest.mark.celery, pytest.mark.integration]
@@ -52,5 +57,42 @@ def test_worker_serves_health_and_readiness_beside_metrics(cluster_factory: Any)
     for port in (leader_port, follower_port):
         status, body = get(port, "/healthz")
         assert (status, body["status"], body["checks"]["election_loop"]) == (200, "ok", True)
-        status, text = get(port, "/metrics")
-        assert status == 200 and "nats_leader_is_leader" in text
+
+    # The metrics an alert rule needs, labelled with the bucket.
+    bucket = cluster.config["bucket"]
+    for port, leading in ((leader_port, 1.0), (follower_port, 0.0)):
+        text = get(port, "/metrics")[1]
+        assert sample(text, "nats_leader_is_leader", bucket=bucket, role=role) == leading
+        assert sample(text, "nats_leader_has_leader", bucket=bucket, role=role) == 1.0
+        assert sample(text, "nats_leader_leaderless_seconds", bucket=bucket, role=role) == 0.0
+        assert sample(text, "nats_leader_ttl_seconds", bucket=bucket, role=role) == 2.0
+        assert sample(text, "nats_leader_connected") == 1.0
+
+    # An operator fences the leader: a failure of kind "fenced", on the leader only.
+    async def fence() -> None:
+        nc = await connect(ConnectOptions.build(cluster.config["nats_url"]), timeout=5)
+        try:
+            await fence_leader(JetStreamBackend(nc), bucket, role, requester="test")
+        finally:
+            await nc.close()
+
+    asyncio.run(fence())
+
+    def fenced_count() -> float | None:
+        text = get(leader_port, "/metrics")[1]
+        return sample(text, "nats_leader_failures_total", role=role, kind="fenced")
+
+    assert wait_for(fenced_count, 30, "the fenced failure counted") == 1.0
+    follower_text = get(follower_port, "/metrics")[1]
+    assert sample(follower_text, "nats_leader_failures_total", role=role, kind="fenced") is None
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    """The value of the first sample of ``name`` whose labels include ``labels``."""
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+        if all(found.get(key) == value for key, value in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
