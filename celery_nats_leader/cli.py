@@ -77,11 +77,16 @@ async def _read(
         await nc.close()
 
 
-async def _resign(settings: LeaderSettings, role: str, timeout: float) -> dict[str, Any] | None:
+async def _resign(
+    settings: LeaderSettings, role: str, timeout: float, leader_id: str | None = None
+) -> dict[str, Any] | None:
     nc = await connect(settings.connection, timeout=timeout, name="celery-nats-leader-cli")
     try:
         backend = JetStreamBackend(nc)
-        body = json.dumps({"requester": "celery nats-leader resign"}).encode()
+        request: dict[str, Any] = {"requester": "celery nats-leader resign"}
+        if leader_id is not None:
+            request["id"] = leader_id  # only that leader steps down, not a successor
+        body = json.dumps(request).encode()
         try:
             reply = await backend.request(
                 control_subject(settings.bucket, role, c.RESIGN_VERB), body, timeout=timeout
@@ -221,6 +226,42 @@ def resign(ctx: click.Context, role: str, timeout: float) -> None:
     accepted = bool(answer.get("accepted"))
     click.echo(f"{answer.get('id')}: {'stepping down' if accepted else 'refused'}")
     ctx.exit(EXIT_OK if accepted else EXIT_NO_LEADER)
+
+
+@nats_leader.command()
+@click.option(
+    "--host",
+    default=None,
+    help="Release the roles led by processes of this host (default: this host's name).",
+)
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds per NATS operation.")
+@click.pass_context
+def release(ctx: click.Context, host: str | None, timeout: float) -> None:
+    """Ask every leader running on this host to hand its role over (a preStop hook).
+
+    Reads who leads each role; each leader whose record names HOST (its
+    ``hostname`` metadata, the pod name in Kubernetes) is asked to step down,
+    so successors on other hosts take over in milliseconds before this
+    host's processes receive SIGTERM. Exits 0 also when nothing here leads.
+    """
+    settings = _settings(ctx)
+    host = host or socket.gethostname()
+    try:
+        statuses = asyncio.run(_read(settings, list(settings.roles), timeout, 0.0))
+    except ElectionError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+    here = [s for s in statuses if s.has_leader and s.leader_meta.get("hostname") == host]
+    if not here:
+        click.echo(f"no role of bucket {settings.bucket!r} is led from {host}")
+    for status in here:
+        answer = asyncio.run(_resign(settings, status.role, timeout, status.leader_id))
+        accepted = bool(answer and answer.get("accepted"))
+        click.echo(
+            f"{status.role}: {status.leader_id} "
+            f"{'stepping down' if accepted else 'did not step down'}"
+        )
+    ctx.exit(EXIT_OK)
 
 
 async def _fence(

@@ -679,6 +679,9 @@ class BaseElection(abc.ABC):
         accepted = leading
         if leading and isinstance(priority, int) and priority <= self.config.priority:
             accepted = False  # a takeover request from a candidate not preferred over us
+        target = body.get("id")
+        if isinstance(target, str) and target != self.instance_id:
+            accepted = False  # meant for a leader that is no longer us (the role moved)
         if accepted:
             self._release_reason = (
                 DemoteReason.TAKEOVER if isinstance(priority, int) else DemoteReason.RESIGNED

@@ -108,3 +108,26 @@ def test_status_strict_and_fence_on_a_frozen_leader(
     again = cli(app_dir, "fence", ROLE, "--epoch", str(epoch))
     assert again.returncode == 1
     assert f"not {epoch}; nothing fenced" in again.stderr
+
+
+def test_release_hands_over_only_the_roles_led_from_this_host(
+    nats_server: NatsServer, app_dir: Path
+) -> None:
+    """The preStop hook: ``nats-leader release`` before the pod gets SIGTERM."""
+    with CandidateGroup(nats_server.url, role=ROLE, bucket=BUCKET, ttl=TTL) as group:
+        group.spawn("a")
+        first = group.wait_for("promoted", {"a"}, timeout=30)
+        group.spawn("b")
+        group.wait_for("leader", {"b"}, timeout=30, where=lambda e: e["leader_id"] == "a")
+
+        elsewhere = cli(app_dir, "release", "--host", "some-other-pod")
+        assert elsewhere.returncode == 0, elsewhere.stderr
+        assert "no role of bucket 'clifence' is led from some-other-pod" in elsewhere.stdout
+        assert group.validate("a")
+
+        here = cli(app_dir, "release")  # this host: where both candidates run
+        assert here.returncode == 0, here.stderr
+        assert f"{ROLE}: a stepping down" in here.stdout
+        assert group.wait_for("demoted", {"a"}, timeout=5)["reason"] == "resigned"
+        second = group.wait_for("promoted", {"b"}, timeout=5)
+        assert second["epoch"] > first["epoch"]
