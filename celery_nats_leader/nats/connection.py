@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
+import weakref
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +23,14 @@ from nats.aio.client import Client
 
 from celery_nats_leader.constants import DEFAULT_SERVERS
 from celery_nats_leader.errors import ConfigError, NatsUnavailableError
+
+#: How nats-py words the server's refusal of a publish or a subscription.
+_PERMISSION_VIOLATION = "permissions violation"
+
+#: Recent refusals per connection: (monotonic time, the server's message).
+_violations: weakref.WeakKeyDictionary[Client, deque[tuple[float, str]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +177,10 @@ async def connect(
 
     async def on_error(exc: Exception) -> None:
         logger.warning("NATS connection error: %s", exc)
+        if client and _PERMISSION_VIOLATION in str(exc).lower():
+            # The server refused a publish or subscription: the operation
+            # waiting for it only sees a timeout; remember why.
+            _violations.setdefault(client[0], deque(maxlen=16)).append((time.monotonic(), str(exc)))
 
     connect_timeout = float(kwargs.pop("connect_timeout", min(2.0, timeout)))
     kwargs.setdefault("reconnect_time_wait", 0.5)
@@ -195,4 +210,21 @@ async def connect(
     return nc
 
 
-__all__ = ["ConnectOptions", "ConnectionListener", "connect"]
+def permission_violation(nc: Client, since: float) -> str | None:
+    """The server's latest permission refusal on ``nc`` at or after ``since``, if any.
+
+    Args:
+        nc: A client made by :func:`connect`.
+        since: A :func:`time.monotonic` reading (when the operation began).
+
+    Returns:
+        The server's message (it names the subject), or ``None``.
+
+    """
+    for at, message in reversed(_violations.get(nc, ())):
+        if at >= since:
+            return message
+    return None
+
+
+__all__ = ["ConnectOptions", "ConnectionListener", "connect", "permission_violation"]
