@@ -135,6 +135,37 @@ async def test_a_user_without_the_kv_permission_gets_a_clear_error(secured: Nats
         elector.stop()
 
 
+# -------------------------------------------------------------------- NKeys
+
+
+def test_nkey_user(tmp_path: Path) -> None:
+    """A user authenticated by an NKey (a signed nonce; no secret crosses the wire)."""
+    import os
+
+    import nkeys
+
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    public = nkeys.from_seed(bytearray(seed)).public_key.decode()
+    (tmp_path / "user.nk").write_bytes(seed)
+    other = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    (tmp_path / "stranger.nk").write_bytes(other)
+    (tmp_path / "nkeys.conf").write_text(f'authorization {{ users: [ {{nkey: "{public}"}} ] }}\n')
+    with NatsServer(extra_args=["-c", str(tmp_path / "nkeys.conf")]) as server:
+        seed_file = str(tmp_path / "user.nk")
+        with Elector(server.url, connect_options={"nkeys_seed": seed_file}) as elector:
+            handle = elector.add_role(ElectionConfig(role=ROLE, ttl=TTL, create_bucket=True))
+            assert handle.wait_for_leadership(TTL + 1)
+        stranger = Elector(
+            server.url, connect_options={"nkeys_seed": str(tmp_path / "stranger.nk")}
+        )
+        stranger.add_role(ElectionConfig(role=ROLE, ttl=TTL))
+        try:
+            with pytest.raises(NatsUnavailableError, match="could not connect"):
+                stranger.start(timeout=3)
+        finally:
+            stranger.stop()
+
+
 # ---------------------------------------------------------------------- TLS
 
 
