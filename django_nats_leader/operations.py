@@ -304,9 +304,10 @@ def _decode(entry: KVEntry | None) -> LeaderRecord | None:
     if entry is None or entry.operation is not Operation.PUT:
         return None
     try:
-        return decode_record(entry.value, entry.revision)
+        record = decode_record(entry.value, entry.revision)
     except RecordFormatError:
         return None
+    return None if record.is_fence else record  # a fence marker: nobody leads
 
 
 async def resign_leader(

@@ -110,3 +110,35 @@ def test_fence_without_a_leader_exits_1(nats_leader: Any, bucket: str) -> None:
     with pytest.raises(CommandError, match="nobody leads") as info:
         run("election_fence", ROLE, "--no-database")
     assert info.value.returncode == 1
+
+
+@pytest.mark.django_db
+def test_a_fenced_role_without_candidates_has_no_leader(
+    nats_server: NatsServer, bucket: str, nats_leader: Any
+) -> None:
+    nats_leader(TTL=TTL)
+    with CandidateGroup(nats_server.url, role=ROLE, bucket=bucket, ttl=TTL) as group:
+        group.spawn("a", create_bucket=True)
+        group.wait_for("promoted", {"a"}, timeout=30)
+        group["a"].pause()
+        try:
+            doc = json.loads(run("election_fence", ROLE, "--json", "--wait", "0.2"))
+            assert doc["new_leader"] is None
+            status = json.loads(_status_json())["roles"]
+            (fenced,) = [r for r in status if r["role"] == ROLE]
+            assert (fenced["has_leader"], fenced["fenced"]["id"]) == (False, "a")
+            assert fenced["note"].startswith("fenced: the term of a (epoch ")
+            with pytest.raises(CommandError, match="nobody leads") as info:
+                run("election_resign", ROLE)
+            assert info.value.returncode == 1
+        finally:
+            group["a"].resume()
+        # The fenced process sits out one TTL: it does not take its role back at once.
+        assert group.validate("a") is False
+
+
+def _status_json() -> str:
+    out = StringIO()
+    with pytest.raises(CommandError):  # nobody leads a configured role: exit 1
+        call_command("election_status", "--json", stdout=out, stderr=StringIO())
+    return out.getvalue()
