@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.ops.events import ensure_events_stream
 from celery_nats_leader.testing import CandidateGroup, NatsServer
 from tests.integration.helpers import ROLE, create_bucket
 
@@ -31,6 +34,11 @@ CELERY = str(Path(sys.executable).with_name("celery"))
 async def app_dir(nats_server: NatsServer, tmp_path: Path) -> Path:
     """A directory with ``opsapp.py``, a Celery app configured for this server."""
     await create_bucket(nats_server.url, BUCKET, ttl=TTL)
+    nc = await connect(ConnectOptions.build(nats_server.url), timeout=5)
+    try:
+        await ensure_events_stream(JetStreamBackend(nc), BUCKET, max_age=600)
+    finally:
+        await nc.close()
     (tmp_path / "opsapp.py").write_text(
         textwrap.dedent(
             f"""
@@ -105,6 +113,14 @@ def test_status_strict_and_fence_on_a_frozen_leader(
     assert after.returncode == 0, after.stdout + after.stderr
     assert "not answering" not in after.stdout
 
+    events = cli(app_dir, "events", "--role", ROLE, "--json")
+    assert events.returncode == 0, events.stderr
+    kept = [json.loads(line) for line in events.stdout.splitlines()]
+    assert [(e["id"], e["event"], e["epoch"]) for e in kept] == [
+        ("a", "promoted", epoch),
+        ("b", "promoted", outcome["new_leader"]["epoch"]),
+        ("a", "fenced", epoch),
+    ]
     again = cli(app_dir, "fence", ROLE, "--epoch", str(epoch))
     assert again.returncode == 1
     assert f"not {epoch}; nothing fenced" in again.stderr
