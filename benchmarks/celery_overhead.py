@@ -36,8 +36,7 @@ from typing import Any
 from celery import Celery
 
 from celery_nats_leader.loop_thread import EventLoopThread
-from celery_nats_leader.nats.connection import ConnectOptions, connect
-from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.nats import ConnectOptions, open_backend
 from celery_nats_leader.record import encode_record
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.testing import NatsServer
@@ -134,19 +133,19 @@ def check_overhead(url: str, quick: bool) -> list[tuple[str, float]]:
         loop.start()
 
         async def open_bucket() -> Any:
-            nc = await connect(ConnectOptions(servers=(url,)))
-            return nc, await JetStreamBackend(nc).open_bucket(
+            backend = await open_backend(ConnectOptions(servers=(url,)))
+            return backend, await backend.open_bucket(
                 "bench_overhead", ttl=None, create=False, replicas=1, timeout=5
             )
 
-        nc, bucket = loop.run(open_bucket(), 10)
+        backend, bucket = loop.run(open_bucket(), 10)
         rows.append(
             (
                 "bare KV get (one round trip), for reference",
                 per_call_us(lambda: loop.run(bucket.get(ROLE, timeout=2), 5), n_kv),
             )
         )
-        loop.run(nc.close(), 5)
+        loop.run(backend.close(), 5)
         loop.stop()
         return rows
     finally:
@@ -268,16 +267,16 @@ def promotion_to_first_task(url: str, kind: str, pool: str, rounds: int) -> list
             time.sleep(0.005)
 
     async def open_bucket() -> Any:
-        nc = await connect(ConnectOptions(servers=(url,)))
-        kv = await JetStreamBackend(nc).open_bucket(
+        backend = await open_backend(ConnectOptions(servers=(url,)))
+        kv = await backend.open_bucket(
             config["bucket"], ttl=None, create=False, replicas=1, timeout=10
         )
-        return nc, kv
+        return backend, kv
 
     samples: list[float] = []
     try:
         wait(lambda: len(ledger.promotions()) >= 1)
-        nc, kv = loop.run(open_bucket(), 10)
+        backend, kv = loop.run(open_bucket(), 10)
         forged = encode_record(
             instance_id="bench:0:0", token=str(uuid.uuid4()), epoch=None, priority=0, meta={}
         )
@@ -294,7 +293,7 @@ def promotion_to_first_task(url: str, kind: str, pool: str, rounds: int) -> list
             first = ledger.rows("SELECT MIN(t) FROM attempts WHERE seq >= ?", base)[0][0]
             samples.append(first - released)
             wait(lambda b=base: ledger.count("SELECT COUNT(*) FROM commits WHERE seq >= ?", b) == 5)
-        loop.run(nc.close(), 5)
+        loop.run(backend.close(), 5)
     finally:
         loop.stop()
         worker.send_signal(signal.SIGTERM)

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import resource
 import statistics
 import subprocess
@@ -25,7 +26,7 @@ import nats
 from nats.js.api import KeyValueConfig
 
 from celery_nats_leader import ElectionConfig, Elector
-from celery_nats_leader.testing import CandidateGroup, NatsServer
+from celery_nats_leader.testing import CandidateGroup, NatsServer, binary_version, server_binary
 
 BUCKET = "bench"
 HERE = os.path.abspath(__file__)
@@ -114,6 +115,33 @@ def graceful_handoff(
         return samples, group.overlap()
 
 
+def churn_handoff(
+    url: str, runs: int, candidates: int = 10, ttl: float = 5.0, churn: int = 3
+) -> tuple[list[float], float]:
+    """Before each hand-over, SIGKILL ``churn`` followers and start replacements.
+
+    The crashed followers' roster entries are still fresh when the leader
+    stops: the successor may have to skip dead candidates ahead of it in line.
+    """
+    samples: list[float] = []
+    killed: dict[str, float] = {}
+    chooser = random.Random(7)
+    with _group(url, "churn", ttl) as group:
+        _start(group, candidates)
+        for _ in range(runs):
+            leader = group.leader()
+            for victim in chooser.sample(sorted(group.running - {leader}), churn):
+                killed[victim] = group[victim].kill()
+            group.wait_for_all("ready", [group.spawn().name for _ in range(churn)], timeout=60)
+            others = group.running - {leader}
+            at = group[leader].terminate()
+            promoted = group.wait_for("promoted", others, timeout=ttl * 4, after=at)
+            samples.append(promoted.at - at)
+            group[leader].wait()
+            group.wait_for("ready", {group.spawn().name}, timeout=60)
+        return samples, group.overlap(killed)
+
+
 async def kv_floor(url: str, ops: int = 500) -> tuple[list[float], list[float]]:
     """Raw nats-py KV get and update round trips: the floor under every election step."""
     nc = await nats.connect(url)
@@ -143,77 +171,95 @@ def scale(url: str, roles: int, ttl: float, seconds: float) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def row(name: str, values: list[float], target: str, unit: float = 1.0, suffix: str = "s") -> str:
-    def fmt(v: float) -> str:
-        return f"{v * unit:.3f} s" if suffix == "s" else f"{v * unit:.2f}{suffix}"
+Stat = tuple[str, list[float], str, float, str]  # name, samples, target, unit, suffix
 
+
+def cell(values: list[float], unit: float, suffix: str) -> str:
+    def fmt(v: float) -> str:
+        return f"{v * unit:.3f}" if suffix == "s" else f"{v * unit:.2f}"
+
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{fmt(values[0])}{' s' if suffix == 's' else suffix}"
     return (
-        f"| {name} | {len(values)} | {fmt(statistics.median(values))} | "
-        f"{fmt(percentile(values, 99))} | {fmt(max(values))} | {target} |"
+        f"{fmt(statistics.median(values))} / {fmt(percentile(values, 99))} / "
+        f"{fmt(max(values))}{' s' if suffix == 's' else suffix}"
     )
+
+
+def measure(args: argparse.Namespace, version: str) -> tuple[list[Stat], list[str]]:
+    """Every core measurement against one nats-server version."""
+    stats: list[Stat] = []
+    extra: list[str] = []
+    with NatsServer(binary=server_binary(version)) as server:
+        url = server.url
+        asyncio.run(_create_bucket(url, 1.0))
+        gets, updates = asyncio.run(kv_floor(url))
+        stats.append(("KV `get` round trip (floor)", gets, "–", 1000, " ms"))
+        stats.append(("KV `update` round trip (floor)", updates, "–", 1000, " ms"))
+        overlaps = 0.0
+        for ttl in (1.0, 5.0):
+            asyncio.run(_create_bucket(url, ttl))
+            samples, overlap = crash_failover(url, ttl, args.crash_runs)
+            overlaps += overlap
+            stats.append(
+                (f"crash failover, TTL {ttl:g} s, 5 candidates", samples,
+                 f"p99 ≤ {ttl + 0.05:g} s", 1, "s")
+            )  # fmt: skip
+        asyncio.run(_create_bucket(url, 5.0))
+        samples, overlap = graceful_handoff(url, args.handoff_runs)
+        overlaps += overlap
+        stats.append(("graceful hand-over, 10 candidates", samples, "p99 ≤ 5 ms", 1000, " ms"))
+        samples, overlap = churn_handoff(url, max(1, args.handoff_runs // 2))
+        overlaps += overlap
+        stats.append(
+            ("hand-over after 3 of 10 were killed and replaced", samples, "p99 ≤ 5 ms", 1000, " ms")
+        )
+        stats.append(("overlap of two leaders, all runs (total)", [overlaps], "0", 1000, " ms"))
+        if args.scale_roles:
+            asyncio.run(_create_bucket(url, 5.0))
+            result = scale(url, args.scale_roles, 5.0, args.scale_seconds)
+            extra.append(
+                f"{args.scale_roles} roles, one process, TTL 5 s: {result['still']} held, "
+                f"CPU {result['cpu_share'] * 100:.1f} % of a core, "
+                f"RSS {result['rss_mib']:.0f} MiB (target < 10 %)"
+            )
+    return stats, extra
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="celery-nats-leader core benchmarks")
     parser.add_argument("--crash-runs", type=int, default=20)
     parser.add_argument("--handoff-runs", type=int, default=100)
-    parser.add_argument("--scale-roles", type=int, default=1000)
+    parser.add_argument("--scale-roles", type=int, default=1000, help="0 skips the scale run")
     parser.add_argument("--scale-seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--servers",
+        default="system,newest",
+        help="comma-separated nats-server versions for server_binary() "
+        "(system, newest, 2.10 ... 2.15, or a full version); one column each",
+    )
     parser.add_argument("--quick", action="store_true", help="few runs, for a smoke check")
     args = parser.parse_args()
     if args.quick:
         args.crash_runs, args.handoff_runs, args.scale_roles, args.scale_seconds = 3, 10, 100, 5.0
 
-    with NatsServer() as server:
-        url = server.url
-        asyncio.run(_create_bucket(url, 1.0))
-        print(
-            f"# machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
-            f"Python {platform.python_version()}, nats-server {server_version()}"
-        )
-        gets, updates = asyncio.run(kv_floor(url))
-        lines = [
-            "| measurement | runs | p50 | p99 | max | target |",
-            "|---|---|---|---|---|---|",
-            row("KV `get` round trip (floor)", gets, "–", 1000, " ms"),
-            row("KV `update` round trip (floor)", updates, "–", 1000, " ms"),
-        ]
-        overlaps = 0.0
-        for ttl in (1.0, 5.0):
-            asyncio.run(_create_bucket(url, ttl))
-            samples, overlap = crash_failover(url, ttl, args.crash_runs)
-            overlaps += overlap
-            lines.append(
-                row(
-                    f"crash failover, TTL {ttl:g} s, 5 candidates",
-                    samples,
-                    f"p99 ≤ {ttl + 0.1:g} s",
-                )
-            )
-        asyncio.run(_create_bucket(url, 5.0))
-        samples, overlap = graceful_handoff(url, args.handoff_runs)
-        overlaps += overlap
-        lines.append(row("graceful hand-over, 10 candidates", samples, "p99 ≤ 50 ms", 1000, " ms"))
-        lines.append(
-            f"| overlap of two leaders, all runs | – | – | – | {overlaps * 1000:.1f} ms | 0 |"
-        )
-        asyncio.run(_create_bucket(url, 5.0))
-        result = scale(url, args.scale_roles, 5.0, args.scale_seconds)
-        lines.append(
-            f"| {args.scale_roles} roles, one process, TTL 5 s | {result['still']} held | "
-            f"CPU {result['cpu_share'] * 100:.1f} % of a core | "
-            f"RSS {result['rss_mib']:.0f} MiB | – | < 10 % |"
-        )
-        print("\n".join(lines))
-
-
-def server_version() -> str:
-    from celery_nats_leader.testing import find_nats_server_binary
-
-    out = subprocess.run(
-        [find_nats_server_binary(), "--version"], check=False, capture_output=True, text=True
+    versions = [v for v in args.servers.split(",") if v]
+    labels = [f"nats-server {binary_version(server_binary(v))}" for v in versions]
+    print(
+        f"# machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}; {', '.join(labels)}"
     )
-    return out.stdout.strip().split()[-1] if out.stdout else "?"
+    columns = [measure(args, version) for version in versions]
+    print("| measurement (p50 / p99 / max) | runs | " + " | ".join(labels) + " | target |")
+    print("|---|---|" + "---|" * len(labels) + "---|")
+    for i, (name, samples, target, unit, suffix) in enumerate(columns[0][0]):
+        cells = [cell(stats[i][1], unit, suffix) for stats, _ in columns]
+        print(f"| {name} | {len(samples)} | " + " | ".join(cells) + f" | {target} |")
+    for label, (_, extra) in zip(labels, columns, strict=True):
+        for line in extra:
+            print(f"\n{label}: {line}")
 
 
 async def _create_bucket(url: str, ttl: float) -> None:

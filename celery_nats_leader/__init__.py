@@ -16,6 +16,8 @@ from typing import Any
 
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election import DemoteReason, Election, ElectionState
+from celery_nats_leader.election.interface import LeaderElection, new_election
+from celery_nats_leader.election.services import LeaderContext, LeaderServiceRunner, LeadingScope
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import (
     BackendError,
@@ -44,6 +46,7 @@ _LAZY = {
     "install": "celery_nats_leader.worker.bootstep",
     "NatsLeaderBootstep": "celery_nats_leader.worker.bootstep",
     "leader_only": "celery_nats_leader.worker.tasks",
+    "leader_service": "celery_nats_leader.worker.leader_services",
     "LeaderTask": "celery_nats_leader.worker.tasks",
     "leader_promoted": "celery_nats_leader.worker.signals",
     "leader_demoted": "celery_nats_leader.worker.signals",
@@ -77,8 +80,12 @@ __all__ = [
     "Elector",
     "FencingToken",
     "JetStreamUnavailableError",
+    "LeaderContext",
+    "LeaderElection",
     "LeaderRecord",
+    "LeaderServiceRunner",
     "LeadershipLostError",
+    "LeadingScope",
     "NatsUnavailableError",
     "NotConnectedError",
     "NotLeaderError",
@@ -86,5 +93,6 @@ __all__ = [
     "RoleHandle",
     "RoleStatus",
     "__version__",
+    "new_election",
     "read_status",
 ]

@@ -1,7 +1,8 @@
 """What the election needs from a store: the seam between the core and NATS.
 
 A KV bucket with conditional writes and a key watch, and plain request/reply
-messaging for the side channel (roster and resign requests).
+messaging for the side channel (roster and resign requests); plus what the
+operator tools need to inspect and remove a bucket.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Operation(enum.Enum):
@@ -82,8 +83,8 @@ class Bucket(Protocol):
         """
         ...
 
-    async def delete(self, key: str, *, last: int, timeout: float) -> None:
-        """Delete ``key`` only if its latest revision is ``last``.
+    async def delete(self, key: str, *, last: int, timeout: float) -> int:
+        """Delete ``key`` only if its latest revision is ``last``; return the delete's revision.
 
         Raises:
             RevisionMismatchError: The key changed since ``last``.
@@ -115,6 +116,84 @@ class Bucket(Protocol):
     async def ttl(self, *, timeout: float) -> float:
         """Return the bucket's ``max_age`` in seconds."""
         ...
+
+
+@dataclass(frozen=True)
+class BucketInfo:
+    """A KV bucket's settings, as the server reports them.
+
+    Attributes:
+        name: The bucket.
+        ttl: ``max_age`` in seconds (``0`` = no expiry).
+        history: Values kept per key.
+        replicas: Stream replicas.
+        storage: ``file`` or ``memory``.
+        keys: Messages stored (one per role that holds a value or a delete marker).
+        created: Whether the call that returned it created the bucket.
+
+    """
+
+    name: str
+    ttl: float
+    history: int
+    replicas: int
+    storage: str
+    keys: int
+    created: bool = False
+
+    def problems(
+        self, *, ttl: float | None, replicas: int | None = None, persistent: bool = False
+    ) -> list[str]:
+        """What is wrong with this bucket for an election with ``ttl`` (empty if nothing).
+
+        Args:
+            ttl: The election TTL the bucket's ``max_age`` must equal (None: not checked).
+            replicas: The expected replica count (None: not checked).
+            persistent: The bucket holds data that must not expire (the beat
+                schedule's state): it must have no ``max_age``.
+
+        Returns:
+            One sentence per problem, each saying what to change.
+
+        """
+        found = []
+        if persistent and self.ttl:
+            found.append(
+                f"max_age is {self.ttl:g}s but this bucket's data must never expire "
+                "(recreate it without a TTL)"
+            )
+        if ttl is not None and abs(self.ttl - ttl) > 0.001:
+            found.append(
+                f"max_age is {self.ttl:g}s but the election ttl is {ttl:g}s: they must be equal "
+                f"(recreate the bucket with --ttl {ttl:g}, or set TTL to {self.ttl:g})"
+            )
+        if self.history != 1:
+            found.append(f"history is {self.history}, expected 1 (older values are useless here)")
+        if replicas is not None and self.replicas != replicas:
+            found.append(f"replicas is {self.replicas}, expected {replicas}")
+        return found
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable dict."""
+        return {
+            "name": self.name,
+            "ttl": self.ttl,
+            "history": self.history,
+            "replicas": self.replicas,
+            "storage": self.storage,
+            "keys": self.keys,
+            "created": self.created,
+        }
+
+
+class ConnectionListener:
+    """Receives connection state changes; override what you need."""
+
+    def disconnected(self) -> None:
+        """The connection went down (it will try to reconnect)."""
+
+    def reconnected(self) -> None:
+        """The connection is back."""
 
 
 class Backend(Protocol):
@@ -151,6 +230,29 @@ class Backend(Protocol):
         """
         ...
 
+    async def close(self) -> None:
+        """Close the connection if this backend opened it; idempotent, never raises."""
+        ...
+
+    async def bucket_info(self, name: str, *, timeout: float) -> BucketInfo:
+        """Read a bucket's settings (operator tools; elections never need it).
+
+        Raises:
+            BucketNotFoundError: The bucket does not exist.
+            JetStreamUnavailableError: The server has no JetStream.
+
+        """
+        ...
+
+    async def delete_bucket(self, name: str, *, timeout: float) -> bool:
+        """Delete a bucket and everything in it; return whether it existed.
+
+        Raises:
+            JetStreamUnavailableError: The server has no JetStream.
+
+        """
+        ...
+
     async def subscribe(self, subject: str, handler: MessageHandler) -> Subscription:
         """Deliver messages on ``subject`` to ``handler``."""
         ...
@@ -178,6 +280,8 @@ class Backend(Protocol):
 __all__ = [
     "Backend",
     "Bucket",
+    "BucketInfo",
+    "ConnectionListener",
     "KVEntry",
     "MessageHandler",
     "Operation",

@@ -18,7 +18,9 @@ class Backoff:
 
     After ``breaker_threshold`` consecutive failures the circuit opens and
     every further delay is ``breaker_cooldown`` until a success resets it, so
-    a broken server is not hammered by a herd of candidates.
+    a broken server is not hammered by a herd of candidates. The cooldown is
+    never shorter than ``maximum``: opening the circuit must not make retries
+    faster than the backoff already had them.
 
     Args:
         initial: First delay, seconds.
@@ -26,7 +28,8 @@ class Backoff:
         multiplier: Growth factor per failure.
         jitter: Relative jitter, e.g. ``0.1`` for ±10 %.
         breaker_threshold: Consecutive failures that open the circuit.
-        breaker_cooldown: Delay while the circuit is open, seconds.
+        breaker_cooldown: Delay while the circuit is open, seconds (raised
+            to ``maximum`` when shorter).
         rng: Random source (injectable for tests).
 
     """
@@ -47,7 +50,7 @@ class Backoff:
         self._multiplier = multiplier
         self._jitter = jitter
         self._threshold = breaker_threshold
-        self._cooldown = breaker_cooldown
+        self._cooldown = max(breaker_cooldown, maximum)
         self._rng = rng or random.Random()
         self.failures = 0
 

@@ -6,22 +6,25 @@ the app's configuration::
     celery -A proj nats-leader status            # table; exit 1 if a role has no leader
     celery -A proj nats-leader status --json     # machine-readable
     celery -A proj nats-leader resign reports    # ask the leader of "reports" to step down
+    celery -A proj nats-leader resign reports --json  # ... and report the successor as JSON
     celery -A proj nats-leader fence reports     # end a stuck leader's term now
     celery -A proj nats-leader events --follow   # every transition, as it happens
+    celery -A proj nats-leader release           # hand over what this host leads (preStop)
 
 Exit codes: 0 all right; 1 a configured role has no leader (``status``) or no
-leader accepted (``resign``); 2 the elections could not be read (NATS
+leader stepped down (``resign``); 2 the elections could not be read (NATS
 unreachable, bucket missing, bad configuration).
 
-These are one-shot commands: each opens a NATS connection, does its work and
-closes it (``asyncio.run`` is fine here, unlike in long-lived processes).
+Both commands are thin layers over :mod:`celery_nats_leader.ops`, which the
+Django management commands use too. They are one-shot: each opens a NATS
+connection, does its work and closes it (``asyncio.run`` is fine here,
+unlike in long-lived processes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -30,13 +33,20 @@ from typing import Any
 import click
 
 from celery_nats_leader import constants as c
+from celery_nats_leader.config import validate_key
 from celery_nats_leader.election import control_subject
-from celery_nats_leader.errors import ElectionError, NotLeaderError
+from celery_nats_leader.errors import (
+    BackendTimeoutError,
+    ConfigError,
+    ElectionError,
+    NotLeaderError,
+)
 from celery_nats_leader.events import TransitionEvent
-from celery_nats_leader.nats.connection import connect
-from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.events import show_events
 from celery_nats_leader.ops.fence import FenceOutcome, fence_leader
+from celery_nats_leader.ops.oneshot import operator_name
+from celery_nats_leader.ops.resign import outcome_lines, outcome_to_dict, request_resignation
 from celery_nats_leader.ops.status import RoleStatus, read_status
 from celery_nats_leader.settings import LeaderSettings
 
@@ -63,40 +73,17 @@ def _settings(ctx: click.Context) -> LeaderSettings:
 async def _read(
     settings: LeaderSettings, roles: Sequence[str], timeout: float, window: float
 ) -> list[RoleStatus]:
-    nc = await connect(settings.connection, timeout=timeout, name="celery-nats-leader-cli")
-    try:
+    async with await open_backend(
+        settings.connection, timeout=timeout, name="celery-nats-leader-cli"
+    ) as backend:
         return await read_status(
-            JetStreamBackend(nc),
+            backend,
             settings.bucket,
             roles=roles,
             timeout=timeout,
             roster_window=window,
             strategy=settings.strategy,
         )
-    finally:
-        await nc.close()
-
-
-async def _resign(
-    settings: LeaderSettings, role: str, timeout: float, leader_id: str | None = None
-) -> dict[str, Any] | None:
-    nc = await connect(settings.connection, timeout=timeout, name="celery-nats-leader-cli")
-    try:
-        backend = JetStreamBackend(nc)
-        request: dict[str, Any] = {"requester": "celery nats-leader resign"}
-        if leader_id is not None:
-            request["id"] = leader_id  # only that leader steps down, not a successor
-        body = json.dumps(request).encode()
-        try:
-            reply = await backend.request(
-                control_subject(settings.bucket, role, c.RESIGN_VERB), body, timeout=timeout
-            )
-        except ElectionError:
-            return None
-        answer = json.loads(reply)
-        return answer if isinstance(answer, dict) else None
-    finally:
-        await nc.close()
 
 
 def _table(statuses: Sequence[RoleStatus], configured: Sequence[str]) -> str:
@@ -206,26 +193,74 @@ def status(
 
 @nats_leader.command()
 @click.argument("role")
-@click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for an answer.")
+@click.option(
+    "--wait",
+    type=float,
+    default=None,
+    help="Seconds to wait for the new leader (default: the role's TTL + 1; 0: no wait).",
+)
+@click.option(
+    "--timeout", default=5.0, show_default=True, help="Seconds to wait for the leader's answer."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.pass_context
-def resign(ctx: click.Context, role: str, timeout: float) -> None:
-    """Ask the current leader of ROLE to step down (it hands over in milliseconds).
+def resign(
+    ctx: click.Context, role: str, wait: float | None, timeout: float, as_json: bool
+) -> None:
+    """Ask the current leader of ROLE to step down, and report the new leader.
 
     The leader runs its demote callbacks, releases the key and sits out one
-    TTL, so another candidate takes the role.
+    TTL, so another candidate takes the role within milliseconds. Exits 1
+    when nobody leads ROLE, its leader did not answer, or it refused.
     """
     settings = _settings(ctx)
     try:
-        answer = asyncio.run(_resign(settings, role, timeout))
-    except ElectionError as exc:
+        validate_key(role, "ROLE")
+    except ConfigError as exc:
         click.echo(f"Error: {exc}", err=True)
         ctx.exit(EXIT_ERROR)
-    if answer is None:
-        click.echo(f"no leader of {role!r} answered within {timeout:g}s", err=True)
+    if wait is None:
+        wait = settings.election_config(role).ttl + 1.0
+    try:
+        outcome = request_resignation(
+            settings,
+            role,
+            timeout=timeout,
+            wait=wait,
+            requester=operator_name("celery nats-leader resign"),
+        )
+    except (NotLeaderError, BackendTimeoutError) as exc:
+        click.echo(f"Error: {exc}", err=True)
         ctx.exit(EXIT_NO_LEADER)
-    accepted = bool(answer.get("accepted"))
-    click.echo(f"{answer.get('id')}: {'stepping down' if accepted else 'refused'}")
-    ctx.exit(EXIT_OK if accepted else EXIT_NO_LEADER)
+    except ElectionError as exc:
+        click.echo(f"Error: cannot reach the election: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+    if as_json:
+        click.echo(json.dumps(outcome_to_dict(outcome), sort_keys=True))
+    else:
+        for good, line in outcome_lines(outcome, wait):
+            click.echo(line, err=not good)
+    ctx.exit(EXIT_OK if outcome.accepted else EXIT_NO_LEADER)
+
+
+async def _ask_to_resign(
+    settings: LeaderSettings, role: str, leader_id: str, timeout: float
+) -> dict[str, Any] | None:
+    async with await open_backend(
+        settings.connection, timeout=timeout, name="celery-nats-leader-cli"
+    ) as backend:
+        # Naming the leader: only that process steps down, never a successor.
+        body = {"requester": operator_name("celery nats-leader release"), "id": leader_id}
+        try:
+            reply = await backend.request(
+                control_subject(settings.bucket, role, c.RESIGN_VERB),
+                json.dumps(body).encode(),
+                timeout=timeout,
+            )
+        except ElectionError:
+            return None
+        answer = json.loads(reply)
+        return answer if isinstance(answer, dict) else None
 
 
 @nats_leader.command()
@@ -254,12 +289,12 @@ def release(ctx: click.Context, host: str | None, timeout: float) -> None:
     here = [s for s in statuses if s.has_leader and s.leader_meta.get("hostname") == host]
     if not here:
         click.echo(f"no role of bucket {settings.bucket!r} is led from {host}")
-    for status in here:
-        answer = asyncio.run(_resign(settings, status.role, timeout, status.leader_id))
+    for one in here:
+        assert one.leader_id is not None
+        answer = asyncio.run(_ask_to_resign(settings, one.role, one.leader_id, timeout))
         accepted = bool(answer and answer.get("accepted"))
         click.echo(
-            f"{status.role}: {status.leader_id} "
-            f"{'stepping down' if accepted else 'did not step down'}"
+            f"{one.role}: {one.leader_id} {'stepping down' if accepted else 'did not step down'}"
         )
     ctx.exit(EXIT_OK)
 
@@ -267,11 +302,10 @@ def release(ctx: click.Context, host: str | None, timeout: float) -> None:
 async def _fence(
     settings: LeaderSettings, role: str, epoch: int | None, timeout: float, wait: float
 ) -> FenceOutcome:
-    requester = f"celery nats-leader fence@{socket.gethostname()}:{os.getpid()}"
-    nc = await connect(settings.connection, timeout=timeout, name="celery-nats-leader-cli")
-    try:
+    requester = operator_name("celery nats-leader fence")
+    async with await open_backend(settings.connection, timeout=timeout, name=requester) as backend:
         return await fence_leader(
-            JetStreamBackend(nc),
+            backend,
             settings.election_config(role).bucket,
             role,
             requester=requester,
@@ -279,8 +313,6 @@ async def _fence(
             timeout=timeout,
             wait=wait,
         )
-    finally:
-        await nc.close()
 
 
 @nats_leader.command()
@@ -313,6 +345,11 @@ def fence(
     Exits 1 when nobody leads ROLE (or its term is not --epoch).
     """
     settings = _settings(ctx)
+    try:
+        validate_key(role, "ROLE")
+    except ConfigError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
     if wait is None:
         wait = settings.election_config(role).ttl
     try:
@@ -355,10 +392,11 @@ async def _events(
         text = json.dumps(event.to_dict(), sort_keys=True) if as_json else event.describe()
         click.echo(text)
 
-    nc = await connect(settings.connection, timeout=timeout, name="celery-nats-leader-cli")
-    try:
+    async with await open_backend(
+        settings.connection, timeout=timeout, name="celery-nats-leader-cli"
+    ) as backend:
         return await show_events(
-            JetStreamBackend(nc),
+            backend,
             settings.bucket,
             emit,
             role=role,
@@ -367,8 +405,6 @@ async def _events(
             count=count,
             timeout=timeout,
         )
-    finally:
-        await nc.close()
 
 
 @nats_leader.command()

@@ -165,7 +165,7 @@ class ElectionConfig:
 
     disconnect_grace: float = 0.0
     """Seconds a leader stays leader while disconnected from NATS; ``0`` means
-    ``2 x heartbeat`` (never more than the lease allows)."""
+    ``2 x heartbeat``, the least allowed (and at most ``ttl - lease_margin``)."""
 
     health_check: HealthCheck | None = None
     """Optional callable (sync or async) returning ``True`` when fit to lead."""
@@ -183,7 +183,10 @@ class ElectionConfig:
     """Seconds between reads that back up the key watch; ``0`` means the heartbeat."""
 
     campaign_jitter: float = c.DEFAULT_CAMPAIGN_JITTER_SECONDS
-    """Largest random delay before campaigning on a released or expired key."""
+    """Largest random delay added for candidates behind the first in line when the role falls free.
+
+    The first in line (by priority, then id) campaigns at once; the k-th waits
+    ``k`` successor steps (2 ms) plus a random delay up to this, capped at one step."""
 
     priority_step: float = c.DEFAULT_PRIORITY_STEP_SECONDS
     """Campaign delay per priority point below the best known candidate."""
@@ -245,13 +248,23 @@ class ElectionConfig:
                 f"lease_margin={margin} leaves no room for a renewal: lease_margin + "
                 f"heartbeat_interval + request_timeout must be below ttl={ttl}"
             )
-        grace = _seconds("disconnect_grace", self.disconnect_grace) or min(
-            2 * heartbeat, ttl - margin
-        )
+        # A leader must survive one reconnect that costs it a renewal: the
+        # grace covers at least two heartbeats, and fits in the lease.
+        min_grace = c.MIN_DISCONNECT_GRACE_HEARTBEATS * heartbeat
+        grace = _seconds("disconnect_grace", self.disconnect_grace) or min_grace
         if grace > ttl - margin:
             raise ConfigError(
-                f"disconnect_grace={grace} is longer than the lease (ttl - lease_margin = "
-                f"{ttl - margin:.3g}); it would never apply. Lower it."
+                f"disconnect_grace={grace:g} is longer than the lease (ttl - lease_margin = "
+                f"{ttl - margin:.3g}); it would never apply. Lower it, or lower "
+                "heartbeat_interval or lease_margin when it is the default "
+                f"({c.MIN_DISCONNECT_GRACE_HEARTBEATS} x heartbeat_interval)."
+            )
+        if grace < min_grace - 1e-9:
+            raise ConfigError(
+                f"disconnect_grace={grace:g} is shorter than {c.MIN_DISCONNECT_GRACE_HEARTBEATS} "
+                f"x heartbeat_interval ({min_grace:.3g}): a leader would step down on a "
+                f"reconnect that costs one renewal; set disconnect_grace >= {min_grace:.3g} "
+                "(0 means that default) or lower heartbeat_interval"
             )
         health_interval = _seconds("health_check_interval", self.health_check_interval) or heartbeat
         if self.health_check is not None and not callable(self.health_check):

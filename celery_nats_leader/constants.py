@@ -22,6 +22,10 @@ DEFAULT_TTL_SECONDS = 10.0
 #: The heartbeat is ``ttl / HEARTBEATS_PER_TTL`` unless configured.
 HEARTBEATS_PER_TTL = 4
 
+#: The shortest disconnect grace, in heartbeats (also its default): a leader
+#: rides out a reconnect that costs it one renewal.
+MIN_DISCONNECT_GRACE_HEARTBEATS = 2
+
 #: ``ttl`` must be at least this many heartbeats, so that one or two lost
 #: renewals do not cost the role.
 MIN_HEARTBEATS_PER_TTL = 3
@@ -51,9 +55,21 @@ DEFAULT_PRIORITY_STEP_SECONDS = 0.01
 #: Longest priority-based campaign delay, in seconds, whatever the gap.
 MAX_PRIORITY_LAG_SECONDS = 0.5
 
-#: How often a follower retries a campaign while the server has not yet
-#: removed an expired key (its expiry timer has a few milliseconds of slack).
-EXPIRY_RETRY_SECONDS = 0.01
+#: Delay, in seconds, per candidate of the same priority ahead in line (by
+#: id) before a follower campaigns for a free role. The first in line goes at
+#: once; the others follow a step apart (plus the jitter), in case it is gone.
+SUCCESSOR_STEP_SECONDS = 0.002
+
+#: A roster entry not refreshed for this many heartbeats is dropped: followers
+#: announce themselves every heartbeat, crashed candidates stop doing so.
+ROSTER_EXPIRY_HEARTBEATS = 3
+
+#: Seconds beyond the TTL after which a follower deletes a record it saw
+#: unchanged (conditionally at that revision) instead of waiting for the
+#: server's ``max_age`` timer, which fires up to ~250 ms late on 2.10+.
+#: The leader already stepped down ``lease_margin`` before the TTL; this only
+#: keeps the follower no earlier than the server could be (docs/design.md).
+FOLLOWER_EXPIRY_MARGIN_SECONDS = 0.01
 
 #: Consecutive health-check failures that make a leader resign.
 DEFAULT_HEALTH_CHECK_FAILURES = 3
@@ -65,7 +81,8 @@ BACKOFF_MULTIPLIER = 2.0
 BACKOFF_JITTER = 0.1
 
 #: Consecutive transient failures that open the circuit breaker, and how long
-#: an open circuit waits (as a multiple of the TTL, capped) before trying again.
+#: an open circuit waits (as a multiple of the TTL, capped; never less than
+#: BACKOFF_MAX_SECONDS) before trying again.
 CIRCUIT_BREAKER_THRESHOLD = 10
 CIRCUIT_BREAKER_COOLDOWN_TTLS = 1.0
 CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS = 30.0

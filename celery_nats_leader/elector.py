@@ -20,9 +20,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import nats.errors
-from nats.aio.client import Client
-
 from celery_nats_leader.backend import Backend, Bucket
 from celery_nats_leader.backoff import Backoff
 from celery_nats_leader.clock import Clock
@@ -36,14 +33,26 @@ from celery_nats_leader.election import (
 )
 from celery_nats_leader.election.interface import LeaderElection, new_election
 from celery_nats_leader.election.observer import ElectionObserver
+from celery_nats_leader.election.services import LeaderServiceRunner, ServiceFunction
 from celery_nats_leader.errors import ConfigError, ElectionError, NatsUnavailableError
 from celery_nats_leader.loop_thread import EventLoopThread
-from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, connect
+from celery_nats_leader.nats import ConnectionListener, ConnectOptions, open_backend
 from celery_nats_leader.ops.status import RoleStatus, read_status
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between attempts to start after a permanent error (missing bucket...).
+_PERMANENT_RETRY = 30.0
+#: Seconds between two warnings that the election is still not running.
+_REPEAT_INTERVAL = 30.0
+
+
+def _duration(seconds: float) -> str:
+    """``0.05`` -> ``"50ms"``, ``30.0`` -> ``"30s"``: never "0.0s"."""
+    return f"{seconds * 1000:.0f}ms" if seconds < 1 else f"{seconds:.3g}s"
+
 
 #: Builds a backend on the elector's loop (tests pass the in-memory one).
 BackendFactory = Callable[[], "Backend"]
@@ -144,6 +153,36 @@ class RoleHandle:
         future = self._elector.loop.submit(self.election.wait_for_leadership(remaining))
         return future.result()
 
+    def run_while_leading(
+        self, service: ServiceFunction, *, name: str | None = None, grace: float | None = None
+    ) -> LeaderServiceRunner:
+        """Run ``service(ctx)`` for as long as this process leads the role, every term.
+
+        A plain function runs on a thread of its own and must return soon
+        after ``ctx.stopped`` turns true (``ctx.wait(seconds)`` sleeps and
+        wakes at the end of the term); a coroutine function runs on the
+        elector's loop and is cancelled (it must never block). See
+        :mod:`celery_nats_leader.election.services`.
+
+        Args:
+            service: ``service(ctx)``; ``ctx.token`` is the term's fencing token.
+            name: For logs; default the function's name.
+            grace: Seconds a release waits for the service to stop;
+                default the role's ``lease_margin``.
+
+        Returns:
+            The service's handle.
+
+        """
+        election = self.election
+        if self._elector.running:
+
+            async def register() -> LeaderServiceRunner:
+                return election.run_while_leading(service, name=name, grace=grace)
+
+            return self._elector.loop.run(register(), 10.0)
+        return election.run_while_leading(service, name=name, grace=grace)
+
     def on_promote(self, callback: PromoteCallback) -> PromoteCallback:
         """Register ``callback(token)``; runs on a worker thread of the elector."""
         return self.election.on_promote(callback)
@@ -197,11 +236,12 @@ class Elector(ConnectionListener):
         self._roles: dict[str, RoleHandle] = {}
         self._lock = threading.Lock()
         self.loop = EventLoopThread(name=f"{name}-loop")
-        self._connection: Client | None = None
+        self._own_backend: Backend | None = None
         self._backend: Backend | None = None
         self._connected = threading.Event()
         self._connector: asyncio.Task[None] | None = None
         self._started = False
+        self._start_error: ElectionError | None = None
 
     # ------------------------------------------------------------- roles
 
@@ -252,6 +292,20 @@ class Elector(ConnectionListener):
         return self._started and self.loop.is_running
 
     @property
+    def start_error(self) -> ElectionError | None:
+        """Why the last attempt to connect and start the roles failed.
+
+        ``None`` once every role has started (or before the first attempt);
+        meanwhile the elector keeps trying in the background.
+        """
+        error = self._start_error
+        if error is None:
+            return None
+        if any(h.election.state is ElectionState.INIT for h in list(self._roles.values())):
+            return error
+        return None
+
+    @property
     def connected(self) -> bool:
         """Whether the elector has connected (and started its roles)."""
         return self._connected.is_set()
@@ -297,34 +351,54 @@ class Elector(ConnectionListener):
         return asyncio.get_running_loop().create_task(self._connect_forever(timeout))
 
     async def _connect_forever(self, timeout: float) -> None:
+        """Connect and start the roles, retrying until it works; say why, periodically.
+
+        Transient failures (NATS unreachable) retry with backoff; permanent
+        ones (a missing bucket, a permission) every ``_PERMANENT_RETRY``
+        seconds, in case an operator fixes them. Either way the reason is
+        logged at once, then again at most every ``_REPEAT_INTERVAL``
+        seconds, and kept in :attr:`start_error` for health checks.
+        """
         backoff = Backoff(maximum=10.0, breaker_threshold=1_000_000)
+        attempts = 0
+        next_warning = 0.0
         while True:
             try:
                 await self._connect_and_start_roles(timeout)
-                return
-            except NatsUnavailableError as exc:
-                delay = backoff.failure()
-                logger.warning(
-                    "NATS unreachable (%s); leader election is not running yet, retrying in %.1fs",
+            except ElectionError as exc:
+                attempts += 1
+                self._start_error = exc
+                permanent = not isinstance(exc, NatsUnavailableError)
+                delay = _PERMANENT_RETRY if permanent else backoff.failure()
+                now = time.monotonic()
+                level = logging.DEBUG
+                if now >= next_warning:
+                    next_warning = now + _REPEAT_INTERVAL
+                    level = logging.ERROR if permanent else logging.WARNING
+                logger.log(
+                    level,
+                    "leader election is not running (%d failed attempt%s): %s: %s; retrying in %s",
+                    attempts,
+                    "" if attempts == 1 else "s",
+                    type(exc).__name__,
                     exc,
-                    delay,
+                    _duration(delay),
                 )
                 await asyncio.sleep(delay)
-            except ElectionError:
-                logger.exception("leader election could not start")
-                return
+                continue
+            if attempts:
+                logger.warning("leader election started after %d failed attempt(s)", attempts)
+            self._start_error = None
+            return
 
     async def _connect_and_start_roles(self, timeout: float) -> None:
         if self._backend is None:
             if self._backend_factory is not None:
                 self._backend = self._backend_factory()
             else:
-                from celery_nats_leader.nats.jetstream import JetStreamBackend
-
-                self._connection = await connect(
+                self._backend = self._own_backend = await open_backend(
                     self.connect_options, listeners=[self], timeout=timeout, name=self._name
                 )
-                self._backend = JetStreamBackend(self._connection)
         self._connected.set()
         await asyncio.gather(*(self._start_election(h) for h in list(self._roles.values())))
 
@@ -360,16 +434,10 @@ class Elector(ConnectionListener):
         await asyncio.gather(
             *(h.election.stop() for h in list(self._roles.values())), return_exceptions=True
         )
-        if self._connection is not None:
-            try:
-                # close() flushes to the socket and can raise when the server
-                # is already gone; the connection is closed either way.
-                await self._connection.close()
-            except (OSError, nats.errors.Error) as exc:
-                logger.debug("closing the NATS connection: %s", exc)
-            finally:
-                self._connection = None
-                self._backend = None
+        own, self._own_backend = self._own_backend, None
+        if own is not None:
+            self._backend = None
+            await own.close()
 
     def __enter__(self) -> Elector:
         self.start()

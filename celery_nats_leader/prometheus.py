@@ -105,6 +105,14 @@ class PrometheusObserver:
             namespace=namespace,
             registry=self.registry,
         )
+        self.election_error = Gauge(
+            "election_error",
+            "1 while the role's election is not running because of an error "
+            "(missing bucket, permission denied, NATS unreachable), else 0.",
+            labels,
+            namespace=namespace,
+            registry=self.registry,
+        )
         self.transitions = Counter(
             "transitions",
             "Election state changes.",
@@ -274,6 +282,10 @@ class PrometheusObserver:
         if not ok:
             self.validation_failures.labels(*labels).inc()
             self.failures.labels(*labels, "validation").inc()
+
+    def set_election_error(self, role: str, instance_id: str, failing: bool) -> None:
+        """Set the election-error gauge: 1 while the role's election cannot run."""
+        self.election_error.labels(role, instance_id).set(1 if failing else 0)
 
     def set_leader(self, role: str, instance_id: str, leading: bool) -> None:
         """Set the is-leader gauge (the lease can end without a state change)."""

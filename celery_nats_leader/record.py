@@ -66,6 +66,26 @@ class LeaderRecord:
         """The term's :class:`FencingToken`."""
         return FencingToken(epoch=self.epoch, value=self.token)
 
+    def holds(self, token: FencingToken, instance_id: str | None = None) -> bool:
+        """Whether this record is the term of ``token``.
+
+        The one "does the store still hold this term" check: the election's
+        token validation, prefork children and the worker-side checks use it.
+
+        Args:
+            token: The fencing token to look for.
+            instance_id: Also require this holder (a candidate checking its own term).
+
+        Returns:
+            ``True`` when epoch and token value match (and the holder, if given).
+
+        """
+        return (
+            self.token == token.value
+            and self.epoch == token.epoch
+            and (instance_id is None or self.id == instance_id)
+        )
+
 
 def encode_record(
     *, instance_id: str, token: str, epoch: int | None, priority: int, meta: Mapping[str, Any]

@@ -11,6 +11,9 @@ per role. This module imports neither Celery nor Django.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +29,8 @@ from celery_nats_leader.config import (
 from celery_nats_leader.constants import DEFAULT_BUCKET, DEFAULT_SERVERS, DEFAULT_TTL_SECONDS
 from celery_nats_leader.errors import ConfigError
 from celery_nats_leader.nats.connection import ConnectOptions
+
+logger = logging.getLogger(__name__)
 
 #: Prefix of the settings in Celery's configuration.
 CELERY_PREFIX = "nats_leader_"
@@ -135,6 +140,10 @@ class LeaderSettings:
 
     health_check_failures: int = 3
     """Consecutive failed health checks after which the leader resigns."""
+
+    services: Mapping[str, Any] = field(default_factory=dict)
+    """Leader services of a worker: role -> list of ``"module:function"`` run on the
+    role's leader while it leads (see :func:`celery_nats_leader.leader_service`)."""
 
     def __post_init__(self) -> None:
         servers: Any = self.servers
@@ -256,13 +265,17 @@ class LeaderSettings:
         """Build from a Celery app's configuration (``app.conf``).
 
         Reads ``nats_leader_<field>`` keys; under Django's CELERY namespace
-        these are written ``CELERY_NATS_LEADER_<FIELD>``.
+        these are written ``CELERY_NATS_LEADER_<FIELD>``. Unknown
+        ``nats_leader_*`` keys (a typo) are logged once per process with the
+        closest known name.
 
         Raises:
-            ConfigError: On an invalid value.
+            ConfigError: On an invalid value; the message names the setting
+                as the configuration spells it (``nats_leader_roles``).
 
         """
         values: dict[str, Any] = {}
+        found: dict[str, str] = {}
         for f in dataclasses.fields(cls):
             for key in (CELERY_PREFIX + f.name, (CELERY_PREFIX + f.name).upper()):
                 try:
@@ -271,5 +284,75 @@ class LeaderSettings:
                     value = None
                 if value is not None:
                     values[f.name] = value
+                    found[f.name] = key
                     break
-        return cls(**values)
+        # Known only once a key was read (Celery loads its configuration lazily).
+        prefix = _celery_namespace(conf)
+        names = {name: (prefix + key).upper() if prefix else key for name, key in found.items()}
+        for message in unknown_celery_settings(conf):
+            if message not in _reported:
+                _reported.add(message)
+                logger.warning("nats-leader: %s", message)
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            raise ConfigError(_setting_names(str(exc), names, prefix)) from None
+
+
+#: Unknown-setting messages already logged by this process.
+_reported: set[str] = set()
+
+
+def _celery_namespace(conf: Any) -> str:
+    """The namespace prefix of a Celery configuration (``CELERY_`` under Django), or ""."""
+    prefix = conf.__dict__.get("prefix") if hasattr(conf, "__dict__") else None
+    return prefix if isinstance(prefix, str) else ""
+
+
+def _setting_names(message: str, names: Mapping[str, str], prefix: str) -> str:
+    """Rewrite ``field=`` in a validation message as the Celery setting's name."""
+    for name in sorted((f.name for f in dataclasses.fields(LeaderSettings)), key=len, reverse=True):
+        written = names.get(name) or (
+            (prefix + CELERY_PREFIX + name).upper() if prefix else CELERY_PREFIX + name
+        )
+        # "ttl=5 ..." anywhere, and "role_options names ..." opening a sentence.
+        message = re.sub(rf"(?<![\w.]){re.escape(name)}=", f"{written}=", message)
+        message = re.sub(rf"(^|: ){re.escape(name)} ", rf"\g<1>{written} ", message)
+    return message
+
+
+def unknown_celery_settings(conf: Any) -> list[str]:
+    """Messages for the ``nats_leader_*`` keys of ``conf`` that no setting has.
+
+    Args:
+        conf: A Celery app's configuration.
+
+    Returns:
+        One message per unknown key, naming it as written, with the closest
+        known setting ("did you mean").
+
+    """
+    known = sorted(CELERY_PREFIX + f.name for f in dataclasses.fields(LeaderSettings))
+    try:
+        # Reading a key finalizes Celery's lazy configuration; iterating does not.
+        conf.get(CELERY_PREFIX + "roles")
+        keys = [str(key) for key in conf]
+    except Exception:  # pragma: no cover - not a Celery Settings object
+        return []
+    prefix = _celery_namespace(conf).upper()
+    messages = []
+    for key in sorted(keys):
+        name = key
+        if prefix:
+            if not key.upper().startswith(prefix):
+                continue  # outside the namespace: not a Celery setting (e.g. NATS_LEADER)
+            name = key[len(prefix) :]
+        lowered = name.lower()
+        if not lowered.startswith(CELERY_PREFIX) or lowered in known:
+            continue
+        close = difflib.get_close_matches(lowered, known, n=1, cutoff=0.6)
+        # Suggest in the user's own spelling: namespaced and upper-case, or not.
+        suggestion = (prefix + close[0]).upper() if close and (prefix or name.isupper()) else ""
+        hint = f"; did you mean {suggestion or close[0]!r}?" if close else ""
+        messages.append(f"unknown setting {key!r} is ignored{hint}")
+    return messages

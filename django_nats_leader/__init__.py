@@ -12,7 +12,7 @@ Add ``"django_nats_leader"`` to ``INSTALLED_APPS`` and configure one dict::
 Then ``manage.py election_status`` shows who leads, ``election_resign`` asks
 a leader to hand over, ``election_bucket`` creates the KV bucket, and
 :func:`django_nats_leader.fencing.fenced` rejects database writes of a stale
-leader. See the README's Django section.
+leader. See docs/django.md.
 
 This module stays import-light: it imports neither Django models nor NATS.
 """

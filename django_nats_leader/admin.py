@@ -30,17 +30,13 @@ from django.utils.safestring import mark_safe
 from celery_nats_leader.config import validate_key
 from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.events import TransitionEvent
+from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.events import read_events
+from celery_nats_leader.ops.oneshot import operator_name, run_once
+from celery_nats_leader.ops.status import StatusReport, fetch_report
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
 from django_nats_leader.models import ElectionStatus, FenceEpoch
-from django_nats_leader.operations import (
-    StatusReport,
-    fetch_report,
-    open_backend,
-    operator_name,
-    run_once,
-)
 from django_nats_leader.render import role_rows
 from django_nats_leader.timeline import stored_time, terms, timeline_svg
 
@@ -181,16 +177,22 @@ class ElectionStatusAdmin(_StatusAdminBase):
         self, request: HttpRequest, settings: LeaderSettings, action: str, role: str
     ) -> None:
         # The commands' own functions: the page does exactly what they do.
+        from celery_nats_leader.ops.resign import request_resignation
         from django_nats_leader.management.commands.election_fence import (
             fence_role,
             raise_database_fence,
         )
-        from django_nats_leader.management.commands.election_resign import request_resignation
 
         who = getattr(request.user, "get_username", lambda: "?")()
         try:
             if action == "resign":
-                outcome = request_resignation(settings, role, timeout=STATUS_TIMEOUT, wait=2.0)
+                outcome = request_resignation(
+                    settings,
+                    role,
+                    timeout=STATUS_TIMEOUT,
+                    wait=2.0,
+                    requester=operator_name(f"admin ({who})"),
+                )
                 if not outcome.accepted:
                     messages.warning(request, f"The leader of {role} refused to step down.")
                     return
@@ -268,7 +270,9 @@ def fetch_history(
 
     async def run() -> list[TransitionEvent] | None:
         name = operator_name("admin election status")
-        async with open_backend(settings, timeout=STATUS_TIMEOUT, name=name) as backend:
+        async with await open_backend(
+            settings.connection, timeout=STATUS_TIMEOUT, name=name
+        ) as backend:
             return await read_events(backend, settings.bucket, limit=limit, timeout=STATUS_TIMEOUT)
 
     return run_once(run)

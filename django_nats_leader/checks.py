@@ -38,7 +38,7 @@ from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
 
 if TYPE_CHECKING:
-    from django_nats_leader.operations import BucketInfo
+    from celery_nats_leader.backend import BucketInfo
 
 #: The tag of these checks: ``manage.py check --tag nats_leader``.
 TAG = "nats_leader"
@@ -151,7 +151,7 @@ def _heartbeat_ratio(values: dict[str, Any]) -> list[checks.CheckMessage]:
 
 
 def _mixed_ttls(settings: LeaderSettings) -> list[checks.CheckMessage]:
-    from django_nats_leader.operations import bucket_ttls
+    from celery_nats_leader.ops.bucket import bucket_ttls
 
     found: list[checks.CheckMessage] = []
     for bucket, ttls in sorted(bucket_ttls(settings).items()):
@@ -191,7 +191,7 @@ def check_settings(
         return [
             checks.Error(
                 f"{conf.SETTING_NAME} is invalid: {exc}",
-                hint="Fix the value named above; the README's Django section lists every key.",
+                hint="Fix the value named above; docs/configuration.md lists every key.",
                 id="nats_leader.E005",
             )
         ]
@@ -206,7 +206,8 @@ def check_server(
         settings = conf.leader_settings()
     except ConfigError:
         return []  # check_settings reports it
-    from django_nats_leader.operations import bucket_ttls, probe, run_once
+    from celery_nats_leader.ops.bucket import bucket_ttls, probe
+    from celery_nats_leader.ops.oneshot import run_once
 
     wanted = bucket_ttls(settings)
     state_bucket = settings.beat_state_bucket if conf.beat_is_elected() else None

@@ -11,8 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from celery_nats_leader.ops.status import RoleStatus
-from django_nats_leader.operations import StatusReport
+from celery_nats_leader.ops.status import RoleStatus, StatusReport
 
 #: Styles a whole line (Django's ``self.style.SUCCESS`` and friends).
 Painter = Callable[[str], str]

@@ -49,7 +49,7 @@ when a term begins, carried in every message. Within a connected cluster
 every new term's epoch exceeds every earlier term's; a leader that hears of
 an epoch above its own (a concurrent term, after a partition healed) ends
 its term and starts a new one above it. Across a partition epochs are not
-ordered by causality: see the README's ALLCALL section.
+ordered by causality: see docs/allcall.md.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import random
 import time
 import uuid
 from collections import deque
@@ -66,12 +65,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nats.aio.client import Client
-
 from celery_nats_leader import constants as c
-from celery_nats_leader.backend import Backend
-from celery_nats_leader.clock import Clock
-from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
 from celery_nats_leader.election.allcall_protocol import (
     ALLCALL_VERB,
     REMEMBERED_RELEASES,
@@ -94,9 +89,7 @@ from celery_nats_leader.election.base import (
     ElectionState,
     control_subject,
 )
-from celery_nats_leader.election.observer import ElectionObserver
 from celery_nats_leader.errors import ConfigError, ElectionError
-from celery_nats_leader.nats.connection import ConnectOptions
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
 
@@ -150,23 +143,19 @@ class AllcallElection(BaseElection):
     Implements :class:`~celery_nats_leader.election.interface.LeaderElection` with the
     same semantics as :class:`~celery_nats_leader.election.Election` where
     they apply; see the module docstring for the algorithm and the clock
-    assumption, and the README's ALLCALL section for the guarantees.
+    assumption, and docs/allcall.md for the guarantees.
 
-    Args:
-        config: The role's configuration; ``strategy`` must be ``"allcall"``.
-        connection: A connected nats-py client to use; when ``None`` the
-            election opens (and later closes) its own from ``connect_options``.
-            JetStream is never used.
-        connect_options: Where to connect when ``connection`` is ``None``.
-        backend: A ready backend (tests use the in-memory one); overrides
-            ``connection``. Only its core messaging is used (``subscribe``,
-            ``publish``, ``request``).
-        clock: Monotonic clock for this process's own deadlines.
-        observer: Receives measurements (metrics).
-        rng: Random source of the rank's tie-breaker.
+    Constructed like every strategy (see
+    :class:`~celery_nats_leader.election.base.BaseElection` for the
+    arguments); ``config.strategy`` must be ``"allcall"``. Only the backend's
+    core messaging is used (``subscribe``, ``publish``, ``request``), never
+    JetStream.
+
+    Attributes:
         wall_clock: Wall clock for lease expiry times shared with other hosts.
-            Default :func:`time.time`; when only ``clock`` is injected, a wall
-            clock that advances with ``clock`` (for deterministic tests).
+            Default :func:`time.time`; when a ``clock`` is injected, a wall
+            clock that advances with it (for deterministic tests). Tests may
+            replace it before :meth:`start` to simulate clock skew.
 
     Demote reasons used by ALLCALL: ``STOPPED``, ``RESIGNED``, ``TAKEOVER``,
     ``HEALTH_CHECK_FAILED``, ``LEASE_EXPIRED`` (renewals not echoed in time),
@@ -183,33 +172,14 @@ class AllcallElection(BaseElection):
     _logger = logger
     _name_prefix = "allcall"
 
-    def __init__(
-        self,
-        config: ElectionConfig,
-        connection: Client | None = None,
-        *,
-        connect_options: ConnectOptions | None = None,
-        backend: Backend | None = None,
-        clock: Clock | None = None,
-        observer: ElectionObserver | None = None,
-        rng: random.Random | None = None,
-        wall_clock: WallClock | None = None,
-    ) -> None:
+    def _init_state(self) -> None:
+        config = self.config
         if config.strategy != "allcall":
             raise ConfigError(
                 f"AllcallElection needs ElectionConfig(strategy='allcall'), got "
                 f"strategy={config.strategy!r}; use new_election() to pick the class"
             )
-        super().__init__(
-            config,
-            connection,
-            connect_options=connect_options,
-            backend=backend,
-            clock=clock,
-            observer=observer,
-            rng=rng,
-        )
-        self._wall = wall_clock or _default_wall_clock(clock)
+        self.wall_clock: WallClock = _default_wall_clock(self._clock)
         self._tiebreak = self._rng.getrandbits(TIEBREAK_BITS)
         self._subjects = {
             verb: control_subject(config.bucket, config.role, verb)
@@ -328,6 +298,7 @@ class AllcallElection(BaseElection):
         await self._cancel_main()
         self._token = None
         self._lease_deadline = 0.0
+        self._ending_reason = DemoteReason.STOPPED
         self._set_state(ElectionState.STOPPED)
         if was_leader:
             await self._notify_demoted(DemoteReason.STOPPED)
@@ -537,7 +508,7 @@ class AllcallElection(BaseElection):
         if incoming is None or (incoming.id, incoming.epoch) in self._released:
             return
         skew = self.config.max_clock_skew
-        wall = self._wall()
+        wall = self.wall_clock()
         if not claim_valid(incoming, wall, skew):
             return
         own = self._own_claim()
@@ -566,6 +537,8 @@ class AllcallElection(BaseElection):
             better.id,
             better.epoch,
         )
+        if was_leader:
+            self._ending_reason = DemoteReason.REVISION_CHANGED
         self._end_term()
         self._adopt(better)
         if was_leader:
@@ -588,6 +561,7 @@ class AllcallElection(BaseElection):
         """Stop leading at once (state first, callbacks after)."""
         if self._state is not ElectionState.LEADER:
             return
+        self._ending_reason = reason
         self._end_term()
         logger.info("%s: demoted (%s)", self.role, reason.value)
         self._notify_demoted(reason)
@@ -778,7 +752,7 @@ class AllcallElection(BaseElection):
 
     async def _tick(self, now: float) -> None:
         """One heartbeat: expire, complete the round, elect or renew, then allcall."""
-        wall = self._wall()
+        wall = self.wall_clock()
         claim = self._claim
         if (
             claim is not None
@@ -912,6 +886,7 @@ class AllcallElection(BaseElection):
         if self._state is not ElectionState.LEADER or claim is None:
             return
         self._release_reason = None
+        self._ending_reason = reason
         self._end_term()
         # Sit out one TTL so that someone else takes the role.
         self._sit_out_until = self._clock.monotonic() + self.config.ttl
@@ -934,9 +909,9 @@ def _record(claim: Claim) -> LeaderRecord:
     )
 
 
-def _default_wall_clock(clock: Clock | None) -> WallClock:
+def _default_wall_clock(clock: Clock) -> WallClock:
     """``time.time``, or a wall clock that moves with an injected monotonic clock."""
-    if clock is None:
+    if clock is SYSTEM_CLOCK:
         return time.time
     offset = time.time() - clock.monotonic()
     return lambda: clock.monotonic() + offset

@@ -2,7 +2,7 @@
 
 This module holds everything of the ALLCALL strategy that two processes must
 agree on, so that :mod:`celery_nats_leader.election.allcall` is only the state machine
-and its I/O. See the README's ALLCALL section for the algorithm.
+and its I/O. See docs/allcall.md for the algorithm.
 
 Subjects (``<prefix>`` is ``_NATS_LEADER``, shared with the KV strategy's side
 channel)::

@@ -29,22 +29,27 @@ import logging
 import random
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar
-
-from nats.aio.client import Client
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery_nats_leader import constants as c
-from celery_nats_leader.backend import Backend, Subscription
+from celery_nats_leader.backend import Backend, ConnectionListener, Subscription
 from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election.callbacks import CallbackRunner
 from celery_nats_leader.election.health import watch_health
 from celery_nats_leader.election.observer import ElectionObserver, NullObserver
-from celery_nats_leader.errors import ElectionError, ElectionStoppedError
+from celery_nats_leader.errors import ConfigError, ElectionError, ElectionStoppedError
 from celery_nats_leader.events import EventKind, TransitionEvent, event_subject, kind_of
-from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, connect
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
+
+if TYPE_CHECKING:
+    from celery_nats_leader.election.services import (
+        LeaderServiceRunner,
+        LeadingScope,
+        ServiceFunction,
+    )
+    from celery_nats_leader.nats.connection import ConnectOptions
 
 logger = logging.getLogger(__name__)
 
@@ -130,17 +135,21 @@ class BaseElection(abc.ABC):
 
     Not used directly: see :func:`~celery_nats_leader.election.interface.new_election`.
 
+    The one constructor of every strategy; a strategy sets up its own state
+    in :meth:`_init_state`.
+
     Args:
         config: The role's configuration.
-        connection: A connected nats-py client to use; when ``None`` the
-            election opens (and later closes) its own from ``connect_options``.
-        connect_options: Where to connect when ``connection`` is ``None``.
-        backend: A ready backend (tests use the in-memory one); overrides
-            ``connection``.
+        backend: A ready backend: one shared with other roles (see
+            :func:`celery_nats_leader.nats.open_backend`), or the in-memory
+            one in tests. It is not closed by the election. When ``None``,
+            the election opens its own from ``connect_options`` on
+            :meth:`start` and closes it on :meth:`stop`.
+        connect_options: Where to connect when ``backend`` is ``None``.
         clock: Monotonic clock for this process's own deadlines (injectable
             for tests).
         observer: Receives measurements (metrics).
-        rng: Random source.
+        rng: Random source (jitter, tie-breakers).
 
     """
 
@@ -152,23 +161,32 @@ class BaseElection(abc.ABC):
     #: Errors after which retrying cannot help: the main loop stops with them
     #: as :attr:`error`, without the "loop crashed" traceback.
     _permanent_errors: ClassVar[tuple[type[ElectionError], ...]] = ()
+    #: The ``ElectionConfig.strategy`` this class implements (``None``: any).
+    _strategy: ClassVar[str | None] = None
 
     def __init__(
         self,
         config: ElectionConfig,
-        connection: Client | None = None,
+        backend: Backend | None = None,
         *,
         connect_options: ConnectOptions | None = None,
-        backend: Backend | None = None,
         clock: Clock | None = None,
         observer: ElectionObserver | None = None,
         rng: random.Random | None = None,
     ) -> None:
+        if self._strategy is not None and config.strategy != self._strategy:
+            # Running one algorithm on a config that asks for another would be
+            # a silent surprise: refuse and say how.
+            raise ConfigError(
+                f"{type(self).__name__} is the {self._strategy.upper()} strategy, but the config "
+                f"has strategy={config.strategy!r}; build the election with "
+                "celery_nats_leader.new_election(config), which returns the class of "
+                "config.strategy"
+            )
         self.config = config
-        self._connection = connection
         self._connect_options = connect_options
         self._backend: Backend | None = backend
-        self._own_connection: Client | None = None
+        self._own_backend: Backend | None = None
         self._clock = clock or SYSTEM_CLOCK
         self._observer: ElectionObserver = observer or NullObserver()
         self._rng = rng or random.Random()
@@ -193,6 +211,13 @@ class BaseElection(abc.ABC):
         self._change_callbacks: list[LeaderChangeCallback] = []
         self._error_callbacks: list[ErrorCallback] = []
         self._callbacks = CallbackRunner(f"{config.role}")
+        # Called synchronously on the loop at every state change (leader
+        # services must be told to stop at that instant, not after the
+        # callbacks queued before them).
+        self._transition_hooks: list[Callable[[ElectionState, ElectionState], None]] = []
+        # Why the term is ending, set just before the state leaves LEADER so
+        # that the hooks can tell the services (consumed by _set_state).
+        self._ending_reason: DemoteReason | None = None
         # Loop-bound: created in start(), never here.
         self._wake: asyncio.Event | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -200,13 +225,22 @@ class BaseElection(abc.ABC):
         self._leading: asyncio.Event | None = None
         self._main_task: asyncio.Task[None] | None = None
         self._subscriptions: list[Subscription] = []
-
         # The event trail: transitions waiting to be published, in order.
         self._events: deque[bytes] = deque(maxlen=c.EVENT_BUFFER)
         self._event_seq = 0
         self._event_epoch: int | None = None
         self._event_task: asyncio.Task[None] | None = None
         self._born = self._clock.monotonic()
+        self._init_state()
+
+    @abc.abstractmethod
+    def _init_state(self) -> None:
+        """Set up the strategy's own state; called at the end of ``__init__``.
+
+        Raises:
+            ConfigError: If the configuration does not suit the strategy.
+
+        """
 
     # ------------------------------------------------------------------ API
 
@@ -310,6 +344,67 @@ class BaseElection(abc.ABC):
         """Register ``callback(error)``, called when an error stops the election."""
         self._error_callbacks.append(callback)
         return callback
+
+    def run_while_leading(
+        self,
+        service: ServiceFunction,
+        *,
+        name: str | None = None,
+        grace: float | None = None,
+    ) -> LeaderServiceRunner:
+        """Run ``service(ctx)`` for as long as this process leads, every term.
+
+        Started on each promotion and stopped when the term ends: a
+        coroutine function as a task on this loop (cancelled), a plain
+        function on a thread of its own (``ctx.stopped`` turns true, it must
+        return). See :mod:`celery_nats_leader.election.services`. Register
+        before :meth:`start`, or on the election's loop.
+
+        Args:
+            service: The service; it receives a
+                :class:`~celery_nats_leader.election.services.LeaderContext`.
+            name: For logs; default the function's name.
+            grace: Seconds a stopping service is awaited before the term is
+                released; default ``lease_margin``.
+
+        Returns:
+            The service's handle (``runs``, ``running``, ``close()``).
+
+        """
+        from celery_nats_leader.election.services import LeaderServiceRunner
+
+        runner = LeaderServiceRunner(self, service, name=name, grace=grace)
+        self._transition_hooks.append(runner.transition)
+        # Async: runs on the loop, awaited by a release before the key goes.
+        self._demote_callbacks.append(runner.demoted)
+        if self._state is ElectionState.LEADER and self.is_leader:
+            runner.transition(ElectionState.FOLLOWER, ElectionState.LEADER)
+        return runner
+
+    def leading(self, timeout: float | None = None) -> LeadingScope:
+        """``async with election.leading() as ctx:`` runs the block while leading.
+
+        Waits for leadership, then runs the block; if the term ends inside,
+        the block is cancelled and raises
+        :class:`~celery_nats_leader.errors.LeadershipLostError`.
+
+        Args:
+            timeout: Seconds to wait for leadership (``TimeoutError`` after).
+
+        Returns:
+            The scope; ``ctx.token`` is the term's fencing token.
+
+        """
+        from celery_nats_leader.election.services import LeadingScope
+
+        return LeadingScope(self, timeout)
+
+    def _add_transition_hook(self, hook: Callable[[ElectionState, ElectionState], None]) -> None:
+        self._transition_hooks.append(hook)
+
+    def _remove_transition_hook(self, hook: Callable[[ElectionState, ElectionState], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._transition_hooks.remove(hook)
 
     @abc.abstractmethod
     async def start(self, *, wait: float | None = None) -> None:
@@ -426,7 +521,9 @@ class BaseElection(abc.ABC):
             raise ElectionStoppedError(f"election for {self.role!r} was already started")
         self._wake = asyncio.Event()
         self._decided = asyncio.Event()
-        self._leading = asyncio.Event()
+        # Kept across a failed start retried later: waiters of
+        # wait_for_leadership() from the first attempt must see this one.
+        self._leading = self._leading or asyncio.Event()
         return await self._open_backend()
 
     async def _launch(self, wait: float) -> None:
@@ -441,19 +538,15 @@ class BaseElection(abc.ABC):
     async def _open_backend(self) -> Backend:
         if self._backend is not None:
             return self._backend
-        # Imported here so that the memory backend needs no nats-py connection.
-        from celery_nats_leader.nats.jetstream import JetStreamBackend
+        # Imported here: an election on the in-memory backend never loads nats-py.
+        from celery_nats_leader.nats import open_backend
 
-        connection = self._connection
-        if connection is None:
-            connection = await connect(
-                self._connect_options or ConnectOptions(),
-                name=f"{self._name_prefix}-{self.role}",
-                listeners=[_Waker(self)],
-            )
-            self._own_connection = connection
         # ALLCALL uses only the core-NATS half of this backend: no JetStream call.
-        self._backend = JetStreamBackend(connection)
+        self._backend = self._own_backend = await open_backend(
+            self._connect_options,
+            name=f"{self._name_prefix}-{self.role}",
+            listeners=[_Waker(self)],
+        )
         return self._backend
 
     async def _teardown(self) -> None:
@@ -465,7 +558,7 @@ class BaseElection(abc.ABC):
         await self._unsubscribe_all()
         self._stop_health_watch()
         await self._callbacks.stop()
-        await self._close_own_connection()
+        await self._close_own_backend()
         if self._leading is not None:
             self._leading.set()
 
@@ -475,14 +568,14 @@ class BaseElection(abc.ABC):
                 await sub.unsubscribe()
         self._subscriptions.clear()
 
-    async def _close_own_connection(self) -> bool:
-        """Close the connection this election opened, if any; return whether there was one."""
-        if self._own_connection is None:
+    async def _close_own_backend(self) -> bool:
+        """Close the backend this election opened, if any; return whether there was one."""
+        own, self._own_backend = self._own_backend, None
+        if own is None:
             return False
-        # close() flushes to the socket and can raise when the server is gone.
-        with contextlib.suppress(Exception):
-            await self._own_connection.close()
-        self._own_connection = None
+        if self._backend is own:
+            self._backend = None  # a restart after a failed start opens a new one
+        await own.close()
         return True
 
     async def _cancel_main(self) -> None:
@@ -592,6 +685,12 @@ class BaseElection(abc.ABC):
             self.instance_id,
         )
         self._observer.state_changed(self.role, self.instance_id, old.value, new.value)
+        for hook in list(self._transition_hooks):
+            try:
+                hook(old, new)
+            except Exception:
+                self._logger.exception("%s: transition hook %r raised", self.role, hook)
+        self._ending_reason = None
         if self._decided is not None and self._decides(old, new):
             self._decided.set()
         if self._leading is not None:

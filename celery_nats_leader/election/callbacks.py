@@ -14,6 +14,8 @@ import concurrent.futures
 import contextlib
 import inspect
 import logging
+import queue
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +26,53 @@ Callback = Callable[..., Any]
 
 def _nothing() -> None:
     """A callback that does nothing: queued behind others, it marks their end."""
+
+
+class DaemonExecutor(concurrent.futures.Executor):
+    """One daemon thread running submitted calls in order.
+
+    Unlike :class:`concurrent.futures.ThreadPoolExecutor`, whose threads the
+    interpreter joins at exit, a user callback that never returns cannot keep
+    the process from exiting (a Celery worker would hang after its shutdown).
+
+    Args:
+        name: The thread's name.
+
+    """
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[
+            tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]] | None
+        ] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(  # type: ignore[override]  # positional arguments only
+        self, fn: Callable[..., Any], /, *args: Any
+    ) -> concurrent.futures.Future[Any]:
+        """Queue ``fn(*args)``; returns its future."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop after the calls queued so far (``wait`` joins the thread)."""
+        self._calls.put(None)
+        if wait:
+            self._thread.join()
+
+    def _work(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call is None:
+                return
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to the awaiting coroutine
+                future.set_exception(exc)
 
 
 class CallbackRunner:
@@ -38,14 +87,12 @@ class CallbackRunner:
         self._name = name
         self._queue: asyncio.Queue[tuple[list[Callback], tuple[Any, ...], asyncio.Future[None]]]
         self._task: asyncio.Task[None] | None = None
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor: DaemonExecutor | None = None
 
     def start(self) -> None:
         """Start the runner on the running loop."""
         self._queue = asyncio.Queue()
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"callbacks-{self._name}"
-        )
+        self._executor = DaemonExecutor(f"callbacks-{self._name}")
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"cb-{self._name}")
 
     def submit(self, callbacks: list[Callback], *args: Any) -> asyncio.Future[None]:

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.election.callbacks import DaemonExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,26 @@ async def watch_health(
     """
     check = config.health_check
     assert check is not None
-    failures = 0
     loop = asyncio.get_running_loop()
+    # A daemon thread: a check that hangs must not keep the process from exiting
+    # (it times out here, counts as a failure, and is left behind).
+    executor = DaemonExecutor(f"health-{config.role}")
+    try:
+        await _watch(config, check, still_leading, resign, loop=loop, executor=executor)
+    finally:
+        executor.shutdown(wait=False)
+
+
+async def _watch(
+    config: ElectionConfig,
+    check: Callable[[], object],
+    still_leading: Callable[[], bool],
+    resign: Callable[[], None],
+    *,
+    loop: asyncio.AbstractEventLoop,
+    executor: DaemonExecutor,
+) -> None:
+    failures = 0
     while still_leading():
         await asyncio.sleep(config.health_check_interval)
         try:
@@ -39,7 +58,7 @@ async def watch_health(
                 healthy = await asyncio.wait_for(check(), config.heartbeat_interval)
             else:
                 result = await asyncio.wait_for(
-                    loop.run_in_executor(None, check), config.heartbeat_interval
+                    loop.run_in_executor(executor, check), config.heartbeat_interval
                 )
                 healthy = await result if inspect.isawaitable(result) else result
         except Exception:

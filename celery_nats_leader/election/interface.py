@@ -18,6 +18,7 @@ from celery_nats_leader.election.base import (
     LeaderChangeCallback,
     PromoteCallback,
 )
+from celery_nats_leader.election.services import LeaderServiceRunner, LeadingScope, ServiceFunction
 from celery_nats_leader.errors import ElectionError
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
@@ -95,6 +96,16 @@ class LeaderElection(Protocol):
 
     def on_error(self, callback: ErrorCallback) -> ErrorCallback:
         """Register an error callback."""
+        ...
+
+    def run_while_leading(
+        self, service: ServiceFunction, *, name: str | None = None, grace: float | None = None
+    ) -> LeaderServiceRunner:
+        """Run ``service(ctx)`` while leading, every term (see :mod:`.leader_services`)."""
+        ...
+
+    def leading(self, timeout: float | None = None) -> LeadingScope:
+        """An ``async with`` block run while leading, cancelled when the term ends."""
         ...
 
     async def start(self, *, wait: float | None = None) -> None:

@@ -25,29 +25,21 @@ import asyncio
 import contextlib
 import json
 import logging
-import random
 import uuid
 from collections import deque
 from typing import Any
 
-from nats.aio.client import Client
-
 from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, Bucket, KVEntry, Operation
 from celery_nats_leader.backoff import Backoff
-from celery_nats_leader.clock import Clock
-from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election.base import (
     BaseElection,
-    DemoteCallback,
     DemoteReason,
     ElectionState,
-    ErrorCallback,
-    LeaderChangeCallback,
-    PromoteCallback,
     control_subject,
 )
-from celery_nats_leader.election.observer import ElectionObserver
+from celery_nats_leader.election.follower_view import FollowerView
+from celery_nats_leader.election.roster import Roster
 from celery_nats_leader.errors import (
     BackendError,
     BackendTimeoutError,
@@ -61,8 +53,8 @@ from celery_nats_leader.errors import (
     RecordFormatError,
     RevisionMismatchError,
 )
-from celery_nats_leader.nats.connection import ConnectOptions
 from celery_nats_leader.record import LeaderRecord, decode_record, encode_record
+from celery_nats_leader.term import read_term
 from celery_nats_leader.token import FencingToken
 
 logger = logging.getLogger(__name__)
@@ -82,43 +74,17 @@ _REMEMBERED_TOKENS = 16
 class Election(BaseElection):
     """Leader election for one role on a NATS JetStream KV bucket.
 
-    Args:
-        config: The role's configuration.
-        connection: A connected nats-py client to use; when ``None`` the
-            election opens (and later closes) its own from ``connect_options``.
-        connect_options: Where to connect when ``connection`` is ``None``.
-        backend: A ready backend (tests use the in-memory one); overrides
-            ``connection``.
-        clock: Monotonic clock for every deadline (injectable for tests).
-        observer: Receives measurements (metrics).
-        rng: Random source for jitter.
+    Constructed like every strategy: see
+    :class:`~celery_nats_leader.election.base.BaseElection` for the arguments.
 
     """
 
     _logger = logger
     _name_prefix = "election"
     _permanent_errors = PERMANENT_ERRORS
+    _strategy = "kv"
 
-    def __init__(
-        self,
-        config: ElectionConfig,
-        connection: Client | None = None,
-        *,
-        connect_options: ConnectOptions | None = None,
-        backend: Backend | None = None,
-        clock: Clock | None = None,
-        observer: ElectionObserver | None = None,
-        rng: random.Random | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            connection,
-            connect_options=connect_options,
-            backend=backend,
-            clock=clock,
-            observer=observer,
-            rng=rng,
-        )
+    def _init_state(self) -> None:
         self._bucket: Bucket | None = None
 
         # Leader side.
@@ -129,22 +95,24 @@ class Election(BaseElection):
 
         # What we know of the key (both sides).
         self._leader: LeaderRecord | None = None
-        self._observed_revision = 0
-        self._observed_present = False
-        self._observed_at = 0.0
-        self._campaign_at = 0.0
-        self._expiry_retry_until = 0.0
+        # Revision seen, since when, when to campaign: arithmetic kept apart.
+        self._view = FollowerView(
+            ttl=self.config.ttl, expiry_margin=c.FOLLOWER_EXPIRY_MARGIN_SECONDS
+        )
         self._last_read_at = 0.0
         self._bad_record_revision = 0
-        # Revision of an operator's fence marker: the key is vacant, and a
-        # campaign takes it with an update at exactly that revision.
-        self._vacant_revision = 0
         self._issued_tokens: deque[str] = deque(maxlen=_REMEMBERED_TOKENS)
-        self._roster: dict[str, int] = {}
+        self._roster = Roster(
+            own_id=self.config.instance_id,
+            own_priority=self.config.priority,
+            expiry=c.ROSTER_EXPIRY_HEARTBEATS * self.config.heartbeat_interval,
+        )
+        self._next_announce_at = 0.0
 
         self._backoff = Backoff(
             breaker_cooldown=min(
-                c.CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS, config.ttl * c.CIRCUIT_BREAKER_COOLDOWN_TTLS
+                c.CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS,
+                self.config.ttl * c.CIRCUIT_BREAKER_COOLDOWN_TTLS,
             ),
             rng=self._rng,
         )
@@ -201,7 +169,6 @@ class Election(BaseElection):
             timeout=max(cfg.request_timeout, 2.0),
         )
         self._callbacks.start()
-        self._roster[cfg.instance_id] = cfg.priority
         self._subscriptions.append(
             await backend.subscribe(
                 control_subject(cfg.bucket, cfg.role, c.ROSTER_VERB), self._on_roster
@@ -213,14 +180,22 @@ class Election(BaseElection):
             )
         )
         now = self._clock.monotonic()
-        self._campaign_at = now
+        self._view.start(now)
         self._last_read_at = now
         # Read first, so that "someone else leads" is known before start() returns.
         self._observe(await self._bucket.get(cfg.role, timeout=max(cfg.request_timeout, 2.0)))
-        if self._observed_present:
+        if self._view.present:
             self._decided.set()
         self._subscriptions.append(await self._bucket.watch(cfg.role, self._on_watch))
-        await self._announce({"hello": {"id": cfg.instance_id, "priority": cfg.priority}})
+        # Every candidate answers a hello to our own inbox (one small message
+        # each, not a broadcast), so that we know our place in line at once.
+        roster = control_subject(cfg.bucket, cfg.role, c.ROSTER_VERB)
+        inbox = f"{roster}.{uuid.uuid4().hex}"
+        self._subscriptions.append(await backend.subscribe(inbox, self._on_roster))
+        await self._announce(
+            {"hello": {"id": cfg.instance_id, "priority": cfg.priority}}, reply=inbox
+        )
+        self._next_announce_at = self._clock.monotonic() + cfg.heartbeat_interval
         self._set_state(ElectionState.FOLLOWER)
 
     async def _abandon_start(self) -> None:
@@ -228,8 +203,7 @@ class Election(BaseElection):
         await self._unsubscribe_all()
         await self._callbacks.stop()
         self._bucket = None
-        if await self._close_own_connection():
-            self._backend = None  # it was built on that connection
+        await self._close_own_backend()
 
     async def stop(self) -> None:
         """Leave the election.
@@ -248,6 +222,7 @@ class Election(BaseElection):
             self._token = None
             self._lease_deadline = 0.0
             self._cancel_deadline_timer()
+            self._ending_reason = DemoteReason.STOPPED
             self._set_state(ElectionState.STOPPED)
             await self._notify_demoted(DemoteReason.STOPPED)
             if self.config.release_on_stop:
@@ -272,17 +247,11 @@ class Election(BaseElection):
         if not self.is_leader or token is None or self._bucket is None:
             return False
         try:
-            entry = await self._bucket.get(self.role, timeout=self.config.request_timeout)
+            term = await read_term(self._bucket, self.role, timeout=self.config.request_timeout)
         except ElectionError as exc:
             logger.debug("%s: token validation could not read the key: %s", self.role, exc)
             return False
-        record = self._decode(entry) if entry is not None else None
-        ok = (
-            record is not None
-            and record.token == token.value
-            and record.id == self.instance_id
-            and record.epoch == token.epoch
-        )
+        ok = term is not None and term.holds(token, self.instance_id)
         self._observer.validation(self.role, self.instance_id, ok)
         if not ok:
             if self._token is token:
@@ -293,9 +262,9 @@ class Election(BaseElection):
                 )
                 reason = (
                     DemoteReason.KEY_DELETED
-                    if entry is None
+                    if term is None
                     else DemoteReason.FENCED
-                    if record is not None and record.is_fence
+                    if term.record is not None and term.record.is_fence
                     else DemoteReason.TOKEN_MISMATCH
                 )
                 self._demote(reason)
@@ -318,7 +287,7 @@ class Election(BaseElection):
         leading = self.is_leader
         token = self._token if leading else None
         # The record was stored before we saw it, so it expires by then + TTL.
-        watching = not leading and self._observed_present and self._leader is not None
+        watching = not leading and self._view.present and self._leader is not None
         return {
             "id": self.instance_id,
             "role": self.role,
@@ -333,9 +302,9 @@ class Election(BaseElection):
             "last_heartbeat_age": round(now - self._last_confirmed_send, 3) if leading else None,
             "leader_id": self.leader_id,
             "meta": dict(self.config.meta),
-            "observed_revision": self._observed_revision if watching else None,
+            "observed_revision": self._view.revision if watching else None,
             "leader_expires_within": (
-                round(max(0.0, self._observed_at + self.config.ttl - now), 3) if watching else None
+                round(max(0.0, self._view.seen_at + self.config.ttl - now), 3) if watching else None
             ),
         }
 
@@ -382,49 +351,56 @@ class Election(BaseElection):
             meta=self.config.meta,
         )
 
-    def _campaign_delay(self) -> float:
-        """Jitter plus a lag for every priority point below the best candidate known."""
-        best = max(self._roster.values(), default=self.config.priority)
-        lag = min(
-            c.MAX_PRIORITY_LAG_SECONDS,
-            self.config.priority_step * max(0, best - self.config.priority),
-        )
-        return lag + self._rng.uniform(0.0, self.config.campaign_jitter)
+    def _campaign_delay(self, leaving: str | None = None) -> float:
+        """How long to wait before campaigning once the role is free.
+
+        A lag for every priority point below the best live candidate, then a
+        fixed order among equals: the first in line goes at once, the k-th
+        waits k successor steps plus a random jitter within one step (a herd
+        stays spread out if the first in line is gone, and no one waits long
+        for a candidate that is).
+
+        Args:
+            leaving: The holder of the term that ends (not in line).
+        """
+        points, rank = self._roster.place(self._clock.monotonic(), leaving=leaving)
+        lag = min(c.MAX_PRIORITY_LAG_SECONDS, self.config.priority_step * points)
+        if rank == 0:
+            return lag
+        jitter = min(self.config.campaign_jitter, c.SUCCESSOR_STEP_SECONDS)
+        return lag + rank * c.SUCCESSOR_STEP_SECONDS + self._rng.uniform(0.0, jitter)
 
     # --------------------------------------------------------- observation
 
     def _observe(self, entry: KVEntry | None, *, authoritative: bool = False) -> None:
         """Take note of what the key holds (from the watch, a read or a write)."""
         now = self._clock.monotonic()
-        if entry is not None and entry.revision < self._observed_revision and not authoritative:
-            return  # an older event delivered late
-        if (
-            entry is not None
-            and entry.revision == self._observed_revision
-            and self._observed_present
+        present = entry is not None and entry.operation is Operation.PUT
+        previous_leader = self._leader
+        record = self._decode(entry) if present and entry is not None else None
+        # An operator's fence marker: the term is over and nobody leads. The
+        # view counts the key as free at the marker's revision, so a campaign
+        # takes it at once with one conditional write at that revision (only
+        # one candidate can succeed), without waiting for the marker to expire.
+        fence = record is not None and record.is_fence
+        # Whoever held the term that ends (or may end next) is not in line.
+        leaving = (
+            str((record.fenced or {}).get("id"))
+            if fence and record is not None
+            else (record.id if present and record is not None else None)
+        )
+        if leaving is None and not present and previous_leader is not None:
+            leaving = previous_leader.id
+        if not self._view.observe(
+            entry.revision if entry is not None else None,
+            present and not fence,
+            now,
+            self._campaign_delay(leaving),
+            authoritative=authoritative,
         ):
             return
-        present = entry is not None and entry.operation is Operation.PUT
-        if entry is None and not self._observed_present and self._observed_revision == 0:
-            # Still empty: keep the campaign time already chosen.
-            return
-        previous_leader = self._leader
-        self._observed_revision = entry.revision if entry is not None else self._observed_revision
-        self._observed_present = present
-        self._observed_at = now
-        self._expiry_retry_until = 0.0
-        self._vacant_revision = 0
-        record = self._decode(entry) if present and entry is not None else None
-        if record is not None and record.is_fence and entry is not None:
-            # An operator ended the term: nobody leads; campaign now (after
-            # jitter), without waiting for the marker to expire.
-            self._leader = None
-            self._vacant_revision = entry.revision
-            self._campaign_at = now + self._campaign_delay()
-        elif present and entry is not None:
+        if present and not fence:
             self._leader = record
-            # It can only have expired TTL after we first saw it.
-            self._campaign_at = now + self.config.ttl + self._campaign_delay()
             # Someone else holds the role: we follow, and start() may return.
             # (Without this, a candidate that learned of the leader from the
             # watch before its first campaign waited a whole TTL in start().)
@@ -434,7 +410,9 @@ class Election(BaseElection):
                 self._decided.set()
         else:
             self._leader = None
-            self._campaign_at = now + self._campaign_delay()
+            if previous_leader is not None and previous_leader.id != self.instance_id:
+                # Its term ended: if it is alive it will announce itself again.
+                self._roster.forget(previous_leader.id)
         if (previous_leader is None) != (self._leader is None) or (
             previous_leader is not None
             and self._leader is not None
@@ -442,7 +420,7 @@ class Election(BaseElection):
         ):
             self._callbacks.submit(self._change_callbacks, self._leader)
         if self._leader is not None:
-            self._roster.setdefault(self._leader.id, self._leader.priority)
+            self._roster.heard(self._leader.id, self._leader.priority, now)
 
     def _on_watch(self, entry: KVEntry) -> None:
         if self._state is ElectionState.STOPPED:
@@ -490,17 +468,23 @@ class Election(BaseElection):
         ):
             await self._clear_leftover(self._leader)
             return
-        if self._observed_present and self._leader is not None:
+        if self._view.present and self._leader is not None:
             await self._maybe_take_over(self._leader.id, self._leader.priority, now)
-        campaign_at = max(self._campaign_at, self._sit_out_until)
+        campaign_at = max(self._view.campaign_at, self._sit_out_until)
         resync_at = self._last_read_at + cfg.resync_interval
         if now >= campaign_at:
             await self._campaign()
             return
+        if now >= self._next_announce_at:
+            # Followers keep their roster entries alive; a leader need not
+            # (its record says it is there, and it is never in line itself).
+            self._next_announce_at = now + cfg.heartbeat_interval
+            await self._announce({"here": {"id": cfg.instance_id, "priority": cfg.priority}})
+            return
         if now >= resync_at:
             await self._resync()
             return
-        await self._sleep_until(min(campaign_at, resync_at))
+        await self._sleep_until(min(campaign_at, resync_at, self._next_announce_at))
 
     async def _resync(self) -> None:
         """Read the key: backs up a watch that may miss expiries or go blind."""
@@ -513,11 +497,13 @@ class Election(BaseElection):
         except ElectionError as exc:
             logger.debug("%s: resync read failed: %s", self.role, exc)
             return
-        self._backoff.success()
-        if entry is None and self._observed_present:
+        # A successful read says nothing about writes: with JetStream out of
+        # storage reads succeed while every create fails. Only a write's
+        # answer resets the backoff, or the breaker would never open.
+        if entry is None and self._view.present:
             # Gone without an event: expired. Campaign now (after jitter).
             self._observe(None, authoritative=True)
-        elif entry is not None and entry.revision != self._observed_revision:
+        elif entry is not None and entry.revision != self._view.revision:
             self._observe(entry, authoritative=True)
 
     async def _campaign(self) -> None:
@@ -529,24 +515,17 @@ class Election(BaseElection):
         # What we knew when we decided to campaign. The watch may report the
         # winner's record while our create is in flight; that record must not
         # be mistaken for the one we expected to expire.
-        expected = (self._observed_revision, self._observed_present)
-        vacant = self._vacant_revision if self._observed_present else 0
+        expected = (self._view.revision, self._view.present)
         send = self._clock.monotonic()
+        free_revision = self._view.free_revision
+        expired = self._view.expired_revision(send)
+        if expired is not None:
+            free_revision = await self._delete_expired(expired)
+            if free_revision is None:
+                return
         try:
-            if vacant:
-                # A fence marker holds the key: take it only at its revision,
-                # so exactly one candidate wins, as with a create.
-                revision = await self._bucket.update(
-                    cfg.role,
-                    self._record_bytes(token_value, None),
-                    last=vacant,
-                    timeout=cfg.request_timeout,
-                )
-            else:
-                revision = await self._bucket.create(
-                    cfg.role, self._record_bytes(token_value, None), timeout=cfg.request_timeout
-                )
-        except (KeyExistsError, RevisionMismatchError):
+            revision = await self._claim(self._record_bytes(token_value, None), free_revision)
+        except KeyExistsError:
             self._observer.campaign(self.role, self.instance_id, False)
             await self._after_lost_campaign(*expected)
             return
@@ -570,12 +549,29 @@ class Election(BaseElection):
         except NotConnectedError:
             # Nothing was sent, so nothing to back off from: look again soon.
             self._set_state(ElectionState.FOLLOWER)
-            self._campaign_at = self._clock.monotonic() + min(0.25, cfg.heartbeat_interval / 4)
+            self._view.retry_at(self._clock.monotonic() + min(0.25, cfg.heartbeat_interval / 4))
             return
         except BackendError as exc:
             logger.debug("%s: campaign failed: %s", self.role, exc)
             self._set_state(ElectionState.FOLLOWER)
             self._retry_later()
+            return
+        if self._view.revision > revision:
+            # The key changed after our create, before its acknowledgement
+            # reached us: our record is already overwritten. A clustered
+            # nats-server before 2.9.21 can accept two concurrent creates
+            # (nats-server#4320); the later one holds the key, so we lost.
+            logger.warning(
+                "%s: created the key at revision %d, but revision %d is already newer; "
+                "following (a clustered nats-server < 2.9.21 accepts concurrent creates)",
+                self.role,
+                revision,
+                self._view.revision,
+            )
+            self._observer.campaign(self.role, self.instance_id, False)
+            self._set_state(ElectionState.FOLLOWER)
+            if self._decided is not None:
+                self._decided.set()
             return
         self._observer.campaign(self.role, self.instance_id, True)
         self._win(FencingToken(revision, token_value), revision, send)
@@ -589,7 +585,70 @@ class Election(BaseElection):
                 self._backoff.failures,
                 delay,
             )
-        self._campaign_at = self._clock.monotonic() + delay
+        self._view.retry_at(self._clock.monotonic() + delay)
+
+    async def _claim(self, value: bytes, free_revision: int | None) -> int:
+        """Create the role's key; return the new term's revision.
+
+        Where the key is known to hold a delete (a release, or our own delete
+        of an expired record), one conditional write right after it is the
+        whole campaign; the general create needs up to three round trips.
+
+        Raises:
+            KeyExistsError: Someone else holds the role.
+        """
+        assert self._bucket is not None
+        timeout = self.config.request_timeout
+        if free_revision:
+            try:
+                return await self._bucket.update(
+                    self.role, value, last=free_revision, timeout=timeout
+                )
+            except RevisionMismatchError:
+                pass  # taken, or the delete itself is gone: create() tells which
+        return await self._bucket.create(self.role, value, timeout=timeout)
+
+    async def _delete_expired(self, revision: int) -> int | None:
+        """Delete a record gone unrenewed past its TTL, conditionally at its revision.
+
+        Follower-driven expiry: the server's ``max_age`` timer fires up to
+        ~250 ms late on nats-server 2.10+ (and has been seen not to fire on a
+        replica), so a follower that saw ``revision`` unchanged for TTL plus a
+        margin ends it itself. The leader of that revision stepped down before
+        (docs/design.md), and the delete names the revision, so a renewal that
+        landed meanwhile makes it fail instead of removing a live term.
+
+        Returns:
+            The revision of our delete, to campaign right after it; ``None``
+            when the key moved on (what it holds now has been observed) or the
+            delete failed.
+        """
+        assert self._bucket is not None
+        try:
+            deleted = await self._bucket.delete(
+                self.role, last=revision, timeout=self.config.request_timeout
+            )
+        except PERMANENT_ERRORS:
+            raise
+        except RevisionMismatchError:
+            # Renewed, released or expired by the server meanwhile: learn which.
+            entry = await self._read_quietly()
+            self._set_state(ElectionState.FOLLOWER)
+            if entry is not None and entry.revision == revision:
+                self._retry_later()  # the store still shows it: never spin
+            else:
+                self._observe(entry, authoritative=True)
+            return None
+        except ElectionError as exc:
+            # The delete may or may not have landed; the watch will tell.
+            logger.debug("%s: could not delete the expired record: %s", self.role, exc)
+            self._set_state(ElectionState.FOLLOWER)
+            self._retry_later()
+            return None
+        logger.info(
+            "%s: record at revision %d went unrenewed for the TTL; deleted it", self.role, revision
+        )
+        return deleted
 
     async def _after_lost_campaign(self, expected_revision: int, expected_present: bool) -> None:
         """The key is held: learn by whom, or retry if it is only slow to expire.
@@ -603,18 +662,13 @@ class Election(BaseElection):
         now = self._clock.monotonic()
         if entry is None:
             # Freed between our create and our read: try again right away.
-            self._campaign_at = now + self._campaign_delay()
+            self._view.retry_at(now + self._campaign_delay())
             return
         if entry.revision == expected_revision and expected_present:
-            # The record we expected to expire is still there: the server's
-            # expiry timer has a few milliseconds of slack. Retry briefly.
-            if self._expiry_retry_until == 0.0:
-                self._expiry_retry_until = now + max(0.5, self.config.ttl * 0.25)
-            if now < self._expiry_retry_until:
-                self._campaign_at = now + c.EXPIRY_RETRY_SECONDS
-                return
-            # Much later than possible: count from now, conservatively.
-            self._observed_revision = 0
+            # The record we campaigned against is not over yet by our count:
+            # come back when we may delete it ourselves.
+            self._view.retry_at(max(now, self._view.expires_at) + self._campaign_delay())
+            return
         self._observe(entry, authoritative=True)
         self._backoff.success()
 
@@ -681,9 +735,7 @@ class Election(BaseElection):
         # The watch may have delivered our own create before its acknowledgement
         # (we were still a candidate): the change was reported then already.
         previous = self._leader
-        already_reported = (
-            previous is not None and previous.token == token.value and previous.epoch == token.epoch
-        )
+        already_reported = previous is not None and previous.holds(token)
         self._leader = LeaderRecord(
             id=cfg.instance_id,
             token=token.value,
@@ -692,9 +744,7 @@ class Election(BaseElection):
             priority=cfg.priority,
             meta=dict(cfg.meta),
         )
-        self._observed_revision = revision
-        self._observed_present = True
-        self._observed_at = now
+        self._view.observe(revision, True, now, 0.0, authoritative=True)
         self._release_reason = None
         self._disconnected_since = None
         self._backoff.success()
@@ -761,6 +811,7 @@ class Election(BaseElection):
             # The operator fenced this process because it was stuck: let a
             # live candidate take the role rather than campaign again at once.
             self._sit_out_until = self._clock.monotonic() + self.config.ttl
+        self._ending_reason = reason
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: demoted (%s)", self.role, reason.value)
         self._stop_health_watch()
@@ -862,7 +913,7 @@ class Election(BaseElection):
             return send  # demoted while the write was in flight
         self._observer.heartbeat(self.role, self.instance_id, self._clock.monotonic() - send, True)
         self._revision = revision
-        self._observed_revision = max(self._observed_revision, revision)
+        self._view.observe(revision, True, self._clock.monotonic(), 0.0)
         self._confirm(send)
         self._backoff.success()
         logger.debug("%s: renewed at revision %d", self.role, revision)
@@ -919,6 +970,7 @@ class Election(BaseElection):
         self._cancel_deadline_timer()
         # Sit out one TTL so that someone else takes the role.
         self._sit_out_until = self._clock.monotonic() + self.config.ttl
+        self._ending_reason = reason
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: stepping down (%s)", self.role, reason.value)
         self._stop_health_watch()
@@ -950,13 +1002,15 @@ class Election(BaseElection):
         except ElectionError as exc:
             logger.warning("%s: could not release the key (%s); it will expire", self.role, exc)
 
-    async def _announce(self, body: dict[str, Any]) -> None:
+    async def _announce(self, body: dict[str, Any], reply: str | None = None) -> None:
         if self._backend is None:
             return
         cfg = self.config
         with contextlib.suppress(ElectionError):
             await self._backend.publish(
-                control_subject(cfg.bucket, cfg.role, c.ROSTER_VERB), json.dumps(body).encode()
+                control_subject(cfg.bucket, cfg.role, c.ROSTER_VERB),
+                json.dumps(body).encode(),
+                reply,
             )
 
     async def _on_roster(self, data: bytes, reply: str | None) -> None:
@@ -966,44 +1020,39 @@ class Election(BaseElection):
             return
         if isinstance(body, dict):
             hello = body.get("hello")
+            if isinstance(hello, dict) and isinstance(hello.get("id"), str) and reply:
+                # A newcomer asks who is there: answer it alone.
+                self._roster.heard(hello["id"], _priority(hello), self._clock.monotonic())
+                if hello["id"] != self.instance_id and self._backend is not None:
+                    await self._respond(
+                        reply, {"known": {"id": self.instance_id, "priority": self.config.priority}}
+                    )
+                return
             if isinstance(hello, dict) and isinstance(hello.get("id"), str):
-                priority = hello.get("priority", 0)
-                priority = priority if isinstance(priority, int) else 0
-                self._roster[hello["id"]] = priority
+                # A hello without an inbox (a candidate of an older version).
+                priority = _priority(hello)
+                self._roster.heard(hello["id"], priority, self._clock.monotonic())
                 # Introduce ourselves back only if we are preferred over the
-                # newcomer: its campaign delay depends only on the best
-                # priority above its own. Every member answering every hello
-                # (with a broadcast) cost N² messages when N candidates
-                # started together, enough to starve the leader's renewals.
-                if (
-                    hello["id"] != self.instance_id
-                    and reply is None
-                    and self.config.priority > priority
-                ):
+                # newcomer (a broadcast from every member to every newcomer
+                # cost N² messages when N candidates started together).
+                if hello["id"] != self.instance_id and self.config.priority > priority:
                     await self._announce(
                         {"known": {"id": self.instance_id, "priority": self.config.priority}}
                     )
-            known = body.get("known")
-            if isinstance(known, dict) and isinstance(known.get("id"), str):
-                priority = known.get("priority", 0)
-                self._roster[known["id"]] = priority if isinstance(priority, int) else 0
+            for kind in ("known", "here"):
+                entry = body.get(kind)
+                if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                    self._roster.heard(entry["id"], _priority(entry), self._clock.monotonic())
             bye = body.get("bye")
             if isinstance(bye, dict) and bye.get("id") != self.instance_id:
-                self._roster.pop(str(bye.get("id")), None)
+                self._roster.forget(str(bye.get("id")))
         if reply and self._backend is not None:
             await self._respond(reply, self.describe())
 
 
-# The states, reasons, callback types and control_subject were defined here
-# first (now in election_base): they stay importable from this module.
-__all__ = [
-    "PERMANENT_ERRORS",
-    "DemoteCallback",
-    "DemoteReason",
-    "Election",
-    "ElectionState",
-    "ErrorCallback",
-    "LeaderChangeCallback",
-    "PromoteCallback",
-    "control_subject",
-]
+def _priority(entry: dict[str, Any]) -> int:
+    priority = entry.get("priority", 0)
+    return priority if isinstance(priority, int) else 0
+
+
+__all__ = ["PERMANENT_ERRORS", "Election"]

@@ -12,8 +12,6 @@ import asyncio
 import logging
 import ssl
 import time
-import weakref
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,16 +19,11 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
+from celery_nats_leader.backend import ConnectionListener
 from celery_nats_leader.constants import DEFAULT_SERVERS
 from celery_nats_leader.errors import ConfigError, NatsUnavailableError
-
-#: How nats-py words the server's refusal of a publish or a subscription.
-_PERMISSION_VIOLATION = "permissions violation"
-
-#: Recent refusals per connection: (monotonic time, the server's message).
-_violations: weakref.WeakKeyDictionary[Client, deque[tuple[float, str]]] = (
-    weakref.WeakKeyDictionary()
-)
+from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.nats.refusals import note_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -112,14 +105,8 @@ class ConnectOptions:
         return cls(servers=tuple(servers), options=dict(options or {}))
 
 
-class ConnectionListener:
-    """Receives connection state changes; override what you need."""
-
-    def disconnected(self) -> None:
-        """The connection went down (it will try to reconnect)."""
-
-    def reconnected(self) -> None:
-        """The connection is back."""
+#: Seconds between two warnings about connection errors (the others go to DEBUG).
+_ERROR_REPEAT = 30.0
 
 
 def _tls_context(value: Any) -> ssl.SSLContext:
@@ -170,17 +157,38 @@ async def connect(
         for listener in listeners:
             listener.disconnected()
 
+    # nats-py reports every failed reconnect attempt (one per
+    # reconnect_time_wait): say it once, then at most every _ERROR_REPEAT s.
+    errors = {"count": 0, "next_warning": 0.0}
+
     async def on_reconnected() -> None:
-        logger.info("reconnected to NATS")
+        suppressed = errors["count"]
+        errors["count"], errors["next_warning"] = 0, 0.0
+        if suppressed:
+            logger.info("reconnected to NATS (after %d connection errors)", int(suppressed))
+        else:
+            logger.info("reconnected to NATS")
         for listener in listeners:
             listener.reconnected()
 
     async def on_error(exc: Exception) -> None:
-        logger.warning("NATS connection error: %s", exc)
-        if client and _PERMISSION_VIOLATION in str(exc).lower():
-            # The server refused a publish or subscription: the operation
-            # waiting for it only sees a timeout; remember why.
-            _violations.setdefault(client[0], deque(maxlen=16)).append((time.monotonic(), str(exc)))
+        errors["count"] += 1
+        now = time.monotonic()
+        level = logging.DEBUG
+        if now >= errors["next_warning"]:
+            errors["next_warning"] = now + _ERROR_REPEAT
+            level = logging.WARNING
+        logger.log(
+            level,
+            "NATS connection error (%d since the last connection): %s: %s",
+            int(errors["count"]),
+            type(exc).__name__,
+            str(exc) or "no details",
+        )
+        if client:
+            # A refused publish or subscription: the operation waiting for it
+            # only sees a timeout; remember why (nats/refusals.py).
+            note_refusal(client[0], exc)
 
     connect_timeout = float(kwargs.pop("connect_timeout", min(2.0, timeout)))
     kwargs.setdefault("reconnect_time_wait", 0.5)
@@ -203,28 +211,50 @@ async def connect(
             timeout,
         )
     except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+        # A timeout's message is empty: never leave "within 10s: " dangling.
+        reason = str(exc) or ("no answer" if isinstance(exc, asyncio.TimeoutError) else repr(exc))
         raise NatsUnavailableError(
-            f"could not connect to NATS at {', '.join(options.servers)} within {timeout:g}s: {exc}"
+            f"could not connect to NATS at {', '.join(options.servers)} within {timeout:g}s: "
+            f"{reason}"
         ) from exc
     client.append(nc)
     return nc
 
 
-def permission_violation(nc: Client, since: float) -> str | None:
-    """The server's latest permission refusal on ``nc`` at or after ``since``, if any.
+async def open_backend(
+    options: ConnectOptions | None = None,
+    *,
+    listeners: Sequence[ConnectionListener] = (),
+    timeout: float = 5.0,
+    name: str | None = None,
+) -> JetStreamBackend:
+    """Connect to NATS and return the election backend on that connection.
+
+    The one door from the package to NATS: the elector, a standalone
+    election, prefork children, the CLI and the Django commands all open
+    their connection here. The backend owns the connection:
+    :meth:`~JetStreamBackend.close` (or ``async with``) closes it.
 
     Args:
-        nc: A client made by :func:`connect`.
-        since: A :func:`time.monotonic` reading (when the operation began).
+        options: Servers and extra options; default ``nats://127.0.0.1:4222``.
+        listeners: Told about disconnects and reconnects.
+        timeout: Seconds to wait for the first connection.
+        name: Connection name shown by the server's monitoring.
 
     Returns:
-        The server's message (it names the subject), or ``None``.
+        The backend, connected.
+
+    Raises:
+        NatsUnavailableError: No server answered within ``timeout``.
 
     """
-    for at, message in reversed(_violations.get(nc, ())):
-        if at >= since:
-            return message
-    return None
+    nc = await connect(options or ConnectOptions(), listeners=listeners, timeout=timeout, name=name)
+    return JetStreamBackend(nc, owns_connection=True)
 
 
-__all__ = ["ConnectOptions", "ConnectionListener", "connect", "permission_violation"]
+__all__ = [
+    "ConnectOptions",
+    "ConnectionListener",
+    "connect",
+    "open_backend",
+]

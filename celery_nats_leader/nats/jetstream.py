@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import nats.errors
@@ -27,7 +27,13 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
-from celery_nats_leader.backend import KVEntry, MessageHandler, Operation, WatchCallback
+from celery_nats_leader.backend import (
+    BucketInfo,
+    KVEntry,
+    MessageHandler,
+    Operation,
+    WatchCallback,
+)
 from celery_nats_leader.errors import (
     BackendError,
     BackendTimeoutError,
@@ -39,7 +45,7 @@ from celery_nats_leader.errors import (
     PermissionDeniedError,
     RevisionMismatchError,
 )
-from celery_nats_leader.nats.connection import permission_violation
+from celery_nats_leader.nats.refusals import permission_violation
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,16 @@ _NO_MESSAGE_FOUND = 10037
 _WRONG_LAST_SEQUENCE = 10071
 _WRONG_LAST_SEQUENCE_CONSTANT = 10164
 _KV_OPERATION = "KV-Operation"
+# nats-server 2.11+ places its own markers (a key expired by max_age, a purge)
+# with this header instead of KV-Operation.
+_MARKER_REASON = "Nats-Marker-Reason"
+_MARKER_OPERATIONS = {
+    "MaxAge": Operation.PURGE,
+    "Purge": Operation.PURGE,
+    "Remove": Operation.DELETE,
+}
+#: First server version with subject delete markers on max_age (and per-message TTLs).
+MARKERS_SINCE = (2, 11)
 _EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 # Seconds of slack tolerated between the bucket's max_age and the election TTL.
 _TTL_TOLERANCE = 0.001
@@ -132,10 +148,10 @@ class JetStreamBucket:
         """Write ``value`` unconditionally; return the revision."""
         return await self._write(key, value, last=None, timeout=timeout)
 
-    async def delete(self, key: str, *, last: int, timeout: float) -> None:
-        """Delete ``key`` only if its latest revision is ``last``."""
+    async def delete(self, key: str, *, last: int, timeout: float) -> int:
+        """Delete ``key`` only if its latest revision is ``last``; return the delete's revision."""
         headers = {_KV_OPERATION: Operation.DELETE.value}
-        await self._write(key, b"", last=last, timeout=timeout, headers=headers)
+        return await self._write(key, b"", last=last, timeout=timeout, headers=headers)
 
     async def _write(
         self,
@@ -183,6 +199,10 @@ class JetStreamBucket:
                 op = Operation.DELETE
             elif op_header == Operation.PURGE.value:
                 op = Operation.PURGE
+            elif _MARKER_REASON in msg.headers:
+                # A server-placed marker is never a value: an unknown reason
+                # counts as a purge rather than as someone's record.
+                op = _MARKER_OPERATIONS.get(msg.headers[_MARKER_REASON], Operation.PURGE)
         return KVEntry(key=key, value=msg.data or b"", revision=int(msg.seq or 0), operation=op)
 
     async def watch(self, key: str, callback: WatchCallback) -> JetStreamSubscription:
@@ -251,7 +271,16 @@ class JetStreamBucket:
             try:
                 async for update in watcher:
                     if update is None:
-                        break
+                        # nats-py sends its "nothing (more) to deliver" marker
+                        # when the consumer reports nothing pending and no
+                        # message was parsed yet. Under load the server may have
+                        # sent every message already while none was parsed: the
+                        # marker then comes first and a full bucket would look
+                        # empty (a status page showing "no leader"). Only the
+                        # server's delivered count tells the two apart.
+                        if await self._nothing_delivered(watcher):
+                            break
+                        continue  # the messages are on their way; the last has delta 0
                     if update.operation is None:
                         found.append(
                             KVEntry(
@@ -268,6 +297,15 @@ class JetStreamBucket:
             return found
 
         return await self._backend.call(collect(), timeout=timeout, bucket=self.name)
+
+    @staticmethod
+    async def _nothing_delivered(watcher: KeyValue.KeyWatcher) -> bool:
+        """Whether the server delivered no message at all to ``watcher`` (an empty bucket)."""
+        subscription = watcher._sub
+        if subscription is None:
+            return True
+        info = await subscription.consumer_info()
+        return not info.num_pending and not info.delivered.consumer_seq
 
     async def ttl(self, *, timeout: float) -> float:
         """Return the bucket's ``max_age`` in seconds."""
@@ -313,17 +351,43 @@ class _NoMessage(Exception):
 class JetStreamBackend:
     """The election backend on a nats-py connection.
 
+    Usually obtained from :func:`celery_nats_leader.nats.open_backend`, which
+    connects first and hands the connection over. Usable as an async context
+    manager that closes it.
+
     Args:
-        nc: A connected nats-py client. It is not closed by this object.
+        nc: A connected nats-py client.
         js_timeout: Default timeout for JetStream API calls, seconds.
+        owns_connection: Whether :meth:`close` closes ``nc`` (a connection
+            shared with other code is left open).
 
     """
 
-    def __init__(self, nc: Client, *, js_timeout: float = 5.0) -> None:
+    def __init__(
+        self, nc: Client, *, js_timeout: float = 5.0, owns_connection: bool = False
+    ) -> None:
         self.nc = nc
         self.js_timeout = js_timeout
         self.js = nc.jetstream(timeout=js_timeout)
+        self.owns_connection = owns_connection
         self._watches: dict[str, _SharedWatch] = {}
+
+    async def close(self) -> None:
+        """Close the connection if this backend owns it; idempotent, never raises."""
+        if not self.owns_connection or self.nc.is_closed:
+            return
+        # close() flushes to the socket and can raise when the server is
+        # already gone; the connection is closed either way.
+        try:
+            await self.nc.close()
+        except Exception as exc:  # closing must not fail a shutdown
+            logger.debug("closing the NATS connection: %s", exc)
+
+    async def __aenter__(self) -> JetStreamBackend:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
 
     async def _stop_shared_watch(self, name: str, shared: _SharedWatch) -> None:
         if self._watches.get(name) is shared and shared.stop is not None:
@@ -504,11 +568,41 @@ class JetStreamBackend:
             )
         return bucket
 
+    def server_version(self) -> tuple[int, int]:
+        """``(major, minor)`` of the server this connection is on (``(0, 0)``: unknown)."""
+        version = self.nc.connected_server_version
+        try:
+            return version.major, version.minor
+        except (AttributeError, ValueError, TypeError):
+            return 0, 0
+
+    def expiry_markers_available(self) -> bool:
+        """Whether a bucket created now can have the server mark max_age expiry.
+
+        Needs nats-server 2.11+ and a nats-py that knows the setting (2.11+ as
+        well); neither is required, both are used when present.
+        """
+        return self.server_version() >= MARKERS_SINCE and hasattr(
+            KeyValueConfig, "limit_marker_ttl"
+        )
+
     async def _create_bucket(
         self, name: str, *, ttl: float | None, replicas: int, timeout: float
     ) -> Any:
+        options: dict[str, Any] = {}
+        if ttl and self.expiry_markers_available():
+            # Watchers (followers, operators' tools) then see an expiry as a
+            # purge instead of the key silently vanishing; the marker itself
+            # is kept one TTL.
+            options["limit_marker_ttl"] = ttl
         config = KeyValueConfig(
-            bucket=name, history=1, ttl=ttl, replicas=replicas, storage=StorageType.FILE
+            bucket=name, history=1, ttl=ttl, replicas=replicas, storage=StorageType.FILE, **options
+        )
+        logger.debug(
+            "creating KV bucket %s on nats-server %s (expiry markers: %s)",
+            name,
+            ".".join(map(str, self.server_version())),
+            "limit_marker_ttl" in options,
         )
         try:
             return await asyncio.wait_for(self.js.create_key_value(config), timeout)
@@ -520,6 +614,70 @@ class JetStreamBackend:
             raise JetStreamUnavailableError(
                 "the NATS server has no JetStream: start nats-server with -js"
             ) from exc
+
+    async def bucket_info(self, name: str, *, timeout: float) -> BucketInfo:
+        """Read a bucket's settings from its stream (``KV_<name>``).
+
+        Raises:
+            BucketNotFoundError: The bucket does not exist.
+            JetStreamUnavailableError: The server has no JetStream.
+            BackendError: Any other failure.
+
+        """
+        async with self._stream_api(name, timeout):
+            info = await asyncio.wait_for(self.js.stream_info(f"KV_{name}"), timeout)
+        config, state = info.config, info.state
+        # nats-py leaves the storage type as the server's string in replies.
+        storage = getattr(config.storage, "value", config.storage) or "file"
+        return BucketInfo(
+            name=name,
+            ttl=float(config.max_age or 0.0),
+            history=int(config.max_msgs_per_subject or 0),
+            replicas=int(config.num_replicas or 1),
+            storage=str(storage),
+            keys=int(state.messages or 0),
+        )
+
+    async def delete_bucket(self, name: str, *, timeout: float) -> bool:
+        """Delete a bucket's stream; ``False`` when there was none.
+
+        Raises:
+            JetStreamUnavailableError: The server has no JetStream.
+            BackendError: Any other failure.
+
+        """
+        try:
+            async with self._stream_api(name, timeout):
+                await asyncio.wait_for(self.js.delete_stream(f"KV_{name}"), timeout)
+        except BucketNotFoundError:
+            return False
+        return True
+
+    @contextlib.asynccontextmanager
+    async def _stream_api(self, name: str, timeout: float) -> AsyncIterator[None]:
+        """Translate the errors of a JetStream stream API call about bucket ``name``."""
+        try:
+            yield
+        except nats.js.errors.NotFoundError as exc:
+            if exc.err_code == _STREAM_NOT_FOUND:
+                raise BucketNotFoundError(f"KV bucket {name!r} does not exist") from exc
+            raise BackendError(f"JetStream: {exc}") from exc
+        except (
+            asyncio.TimeoutError,
+            nats.errors.TimeoutError,
+            nats.errors.NoRespondersError,
+            nats.js.errors.ServiceUnavailableError,
+        ) as exc:
+            raise JetStreamUnavailableError(
+                f"JetStream did not answer within {timeout:g}s ({type(exc).__name__}): start "
+                "nats-server with -js (or enable jetstream {} in its configuration)"
+            ) from exc
+        except nats.js.errors.APIError as exc:
+            if exc.code == 403 or "permission" in str(exc.description or "").lower():
+                raise PermissionDeniedError(f"JetStream refused: {exc}") from exc
+            raise BackendError(f"JetStream: {exc}") from exc
+        except nats.errors.Error as exc:
+            raise BackendError(f"NATS: {exc}") from exc
 
     async def subscribe(self, subject: str, handler: MessageHandler) -> JetStreamSubscription:
         """Deliver messages on ``subject`` to ``handler``."""

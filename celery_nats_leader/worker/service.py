@@ -25,14 +25,17 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from celery_nats_leader.election import DemoteReason
+from celery_nats_leader.election import DemoteReason, ElectionState
 from celery_nats_leader.election.observer import ElectionObserver
+from celery_nats_leader.election.services import LeaderServiceRunner
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.probes import ProbeServer
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 from celery_nats_leader.worker import state as worker_state
+from celery_nats_leader.worker.broker_wake import wake_consumer
+from celery_nats_leader.worker.leader_services import on_own_thread, registered_services
 from celery_nats_leader.worker.signals import leader_demoted, leader_promoted
 from celery_nats_leader.worker.state import SharedLeadership, WorkerLeadership
 from celery_nats_leader.worker.tasks import leader_tasks, upgrade_tasks
@@ -41,6 +44,9 @@ if TYPE_CHECKING:
     from celery_nats_leader.prometheus import PrometheusObserver
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between two reports that an election is still stopped by an error.
+ERROR_REPEAT_SECONDS = 30.0
 
 
 class LeaderService:
@@ -94,6 +100,7 @@ class LeaderService:
         if self.metrics is not None:
             self.metrics.watch_elector(self.elector, self.instance_id)
         self.queues = LeaderQueueController(app, self.queue_names, self.is_leader)
+        self.services = self._add_services(app, settings)
         self._refresher: Any = None
         self._started = False
         self._stopped = False
@@ -108,6 +115,28 @@ class LeaderService:
                 request_timeouts={r: h.config.request_timeout for r, h in self._handles.items()},
             )
         )
+
+    def _add_services(self, app: Any, settings: LeaderSettings) -> list[LeaderServiceRunner]:
+        """Register the app's leader services with their roles' elections."""
+        default = self.roles[0] if self.roles else None
+        runners = []
+        for spec in registered_services(app, settings.services, default):
+            handle = self._handles.get(spec.role) if spec.role else None
+            if handle is None:
+                logger.warning(
+                    "nats-leader: leader service %s runs on the leader of %r, but this worker "
+                    "does not campaign for it (nats_leader_roles=%s); it will not run here",
+                    spec.name,
+                    spec.role,
+                    list(self.roles),
+                )
+                continue
+            runners.append(
+                handle.run_while_leading(
+                    on_own_thread(spec.function), name=spec.name, grace=spec.grace
+                )
+            )
+        return runners
 
     def prepare_worker(self) -> None:
         """Adjust the app for this worker; call before the consumer starts.
@@ -164,6 +193,32 @@ class LeaderService:
         """The token while this worker leads ``role``, else ``None``."""
         handle = self._handles.get(role)
         return handle.token if handle is not None else None
+
+    @property
+    def election_errors(self) -> dict[str, str]:
+        """Why each role's election is not running, for health checks (empty when all run).
+
+        A role is listed while its election could not start (NATS
+        unreachable, the bucket missing or wrong, permission denied) or after
+        a permanent error stopped it. Without ``nats_leader_required`` the
+        worker keeps serving ordinary tasks meanwhile; readiness probes and
+        the ``nats_leader_election_error`` metric read this.
+        """
+        start_error = self.elector.start_error
+        errors = {}
+        for role, handle in self._handles.items():
+            error = handle.error or (start_error if handle.state is ElectionState.INIT else None)
+            if error is not None:
+                errors[role] = f"{type(error).__name__}: {error}"
+        return errors
+
+    @property
+    def election_error(self) -> str | None:
+        """One line saying why the election is not running, or ``None`` if it runs."""
+        errors = self.election_errors
+        if not errors:
+            return None
+        return "; ".join(f"{role}: {message}" for role, message in errors.items())
 
     def validate(self, role: str, token: FencingToken, timeout: float | None) -> bool:
         """Confirm ``token`` against KV (one read); ``False`` on any doubt."""
@@ -234,7 +289,9 @@ class LeaderService:
         if self._started:
             logger.info("nats-leader: releasing leadership and leaving the election")
             # Demote callbacks run, then each held key is deleted.
-            self.elector.stop()
+            # Bounded: a demote receiver that never returns must not hold
+            # the worker's shutdown (past a TTL the key expires anyway).
+            self.elector.stop(timeout=min(10.0, max(2.0, self.settings.ttl)))
         self.shared.clear_all()
         if self.probes is not None:
             self.probes.close()
@@ -269,9 +326,19 @@ class LeaderService:
         """
         interval = max(0.05, min(h.config.heartbeat_interval for h in self._handles.values()) / 2)
         seen = {role: self.shared.validation_counts(role) for role in self.roles}
+        next_error_report = time.monotonic() + ERROR_REPEAT_SECONDS
         while True:
             await asyncio.sleep(interval)
             try:
+                errors = self.election_errors
+                if self.metrics is not None:
+                    for role in self.roles:
+                        self.metrics.set_election_error(role, self.instance_id, role in errors)
+                if errors and time.monotonic() >= next_error_report:
+                    # Said again and again: a worker running without its
+                    # election must not look healthy in the logs.
+                    next_error_report = time.monotonic() + ERROR_REPEAT_SECONDS
+                    self._report_stopped(errors)
                 for role, handle in self._handles.items():
                     self.publish(role)
                     counts = self.shared.validation_counts(role)
@@ -324,6 +391,18 @@ class LeaderService:
             error,
             role,
         )
+
+    def _report_stopped(self, errors: Mapping[str, str]) -> None:
+        stopped = [role for role in errors if self._handles[role].error is not None]
+        # Errors of a start still being retried are repeated by the elector itself.
+        for role in stopped:
+            logger.error(
+                "nats-leader: the election for %r is still stopped: %s. Leader-only tasks and "
+                "services of %r do not run on this worker until it restarts.",
+                role,
+                errors[role],
+                role,
+            )
 
 
 class _ServiceObserver:
@@ -423,6 +502,7 @@ class LeaderQueueController:
         if task_consumer is None:
             return
         consuming: set[str] = set()
+        added = False
         for role, name in self._queue_names.items():
             want = self._is_leader(role) and not self._closed
             try:
@@ -434,6 +514,7 @@ class LeaderQueueController:
                     # whether it leads or not.
                     task_consumer.add_queue(self._app.amqp.queues[name])
                     task_consumer.consume()
+                    added = True
                     logger.info("nats-leader: started consuming %s (leader of %r)", name, role)
                 elif have and not want:
                     task_consumer.cancel_by_queue(name)
@@ -448,3 +529,7 @@ class LeaderQueueController:
             except Exception:  # pragma: no cover - the consumer is gone
                 continue
         self._consuming = frozenset(consuming)
+        if added:
+            # Redis: a BRPOP already waiting on the old queues would read the
+            # leader queue only after its timeout (~1 s); end it now.
+            wake_consumer(task_consumer)

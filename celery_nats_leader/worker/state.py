@@ -21,29 +21,29 @@ never trusts a torn read: it retries, and after a bounded number of attempts
 it fails closed ("not leader").
 
 ``validate=True`` needs a KV read. In a child it goes through a
-:class:`ChildValidator`: one lazily created event-loop thread and NATS
-connection per child process, reused for the child's life.
+:class:`~celery_nats_leader.term.TermReader`: one lazily created event-loop
+thread and NATS connection per child process, reused for the child's life.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import mmap
 import os
 import struct
+import tempfile
 import threading
 import time
+import weakref
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from celery_nats_leader.backend import Bucket
-from celery_nats_leader.errors import ElectionError, RecordFormatError
-from celery_nats_leader.loop_thread import EventLoopThread
-from celery_nats_leader.nats.connection import ConnectOptions, connect
-from celery_nats_leader.nats.jetstream import JetStreamBackend
-from celery_nats_leader.record import decode_record
+from celery_nats_leader.nats import ConnectOptions
+from celery_nats_leader.term import TermReader
 from celery_nats_leader.token import FencingToken
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,15 @@ class SharedLeadership:
         # An anonymous MAP_SHARED mapping: children forked after this point
         # see the parent's writes (and the parent sees their counters).
         self._mm = mmap.mmap(-1, max(1, len(roles)) * _SLOT_SIZE)
+        # The children's counters have many writers. A POSIX record lock on
+        # an (unlinked) file inherited over fork serializes them, and the
+        # kernel releases it when its holder dies: a child killed mid-count
+        # cannot wedge its siblings. It does not exclude threads of one
+        # process, hence the thread lock too.
+        self._counter_fd, path = tempfile.mkstemp(prefix="nats-leader-counters-")
+        os.unlink(path)
+        weakref.finalize(self, os.close, self._counter_fd)
+        self._counter_thread_lock = threading.Lock()
         self.clear_all()  # valid, checksummed "not leading" slots
 
     def index(self, role: str) -> int | None:
@@ -180,28 +189,41 @@ class SharedLeadership:
 
     # ------------------------------------------------------------- counters
 
-    def count_validation(self, role: str, ok: bool) -> None:
-        """Count a validation done in a child (metrics; approximate under contention).
+    @contextlib.contextmanager
+    def _counters_locked(self, slot: int) -> Iterator[None]:
+        fd = self._counter_fd
+        with self._counter_thread_lock:
+            fcntl.lockf(fd, fcntl.LOCK_EX, 1, slot)
+            try:
+                yield
+            finally:
+                fcntl.lockf(fd, fcntl.LOCK_UN, 1, slot)
 
-        Several children may increment at once and lose an increment; these
-        counters only feed metrics, never a decision.
+    def count_validation(self, role: str, ok: bool) -> None:
+        """Count a validation done in a child (metrics).
+
+        Children of one worker count at the same time: the increments are
+        serialized, so none is lost (the metrics would undercount).
         """
         i = self._index.get(role)
         if i is None:
             return
         offsets = [_VALIDATIONS_OFFSET] if ok else [_VALIDATIONS_OFFSET, _FAILURES_OFFSET]
-        for offset in offsets:
-            off = i * _SLOT_SIZE + offset
-            (count,) = _SEQ.unpack_from(self._mm, off)
-            _SEQ.pack_into(self._mm, off, count + 1)
+        with self._counters_locked(i):
+            for offset in offsets:
+                off = i * _SLOT_SIZE + offset
+                (count,) = _SEQ.unpack_from(self._mm, off)
+                _SEQ.pack_into(self._mm, off, count + 1)
 
     def validation_counts(self, role: str) -> tuple[int, int]:
         """Validations done and failed in children so far: ``(done, failed)``."""
         i = self._index.get(role)
         if i is None:
             return (0, 0)
-        (done,) = _SEQ.unpack_from(self._mm, i * _SLOT_SIZE + _VALIDATIONS_OFFSET)
-        (failed,) = _SEQ.unpack_from(self._mm, i * _SLOT_SIZE + _FAILURES_OFFSET)
+        # Both read at one instant: a failure is never seen before its validation.
+        with self._counters_locked(i):
+            (done,) = _SEQ.unpack_from(self._mm, i * _SLOT_SIZE + _VALIDATIONS_OFFSET)
+            (failed,) = _SEQ.unpack_from(self._mm, i * _SLOT_SIZE + _FAILURES_OFFSET)
         return (int(done), int(failed))
 
     def request_validation(self, role: str) -> None:
@@ -291,8 +313,8 @@ class WorkerLeadership:
         self.connection = connection
         self.request_timeouts = dict(request_timeouts)
         self.main_pid = os.getpid()
-        self._validator: ChildValidator | None = None
-        self._validator_lock = threading.Lock()
+        self._reader: TermReader | None = None
+        self._reader_lock = threading.Lock()
 
     @property
     def in_main_process(self) -> bool:
@@ -327,7 +349,7 @@ class WorkerLeadership:
         if self.in_main_process:
             return self.local.validate(role, token, timeout)
         limit = timeout if timeout is not None else 2 * self.request_timeouts.get(role, 1.0)
-        ok = self._child_validator().validate(role, token, self.instance_id, limit)
+        ok = self._term_reader().holds(role, token, self.instance_id, timeout=limit)
         self.shared.count_validation(role, ok)
         if ok:
             # The parent may have been demoted while we read: re-check the slot.
@@ -339,66 +361,15 @@ class WorkerLeadership:
             self.shared.request_validation(role)
         return ok
 
-    def _child_validator(self) -> ChildValidator:
-        with self._validator_lock:
-            validator = self._validator
-            if validator is None or validator.pid != os.getpid():
+    def _term_reader(self) -> TermReader:
+        with self._reader_lock:
+            reader = self._reader
+            if reader is None or reader.pid != os.getpid():
                 # First use in this child (or inherited from the parent over
                 # fork, where its thread does not exist): build our own.
-                validator = ChildValidator(self.connection, self.bucket)
-                self._validator = validator
-            return validator
-
-
-class ChildValidator:
-    """One NATS connection and loop thread per pool child, for ``validate=True``.
-
-    Created lazily on the first validation in the child and reused for its
-    whole life (never ``asyncio.run`` per call: that would reconnect every time).
-
-    Args:
-        connection: Where and how to connect.
-        bucket: The KV bucket.
-
-    """
-
-    def __init__(self, connection: ConnectOptions, bucket: str) -> None:
-        self.pid = os.getpid()
-        self._connection = connection
-        self._bucket_name = bucket
-        self._loop = EventLoopThread(name="nats-leader-validator")
-        self._bucket: Bucket | None = None
-
-    def validate(self, role: str, token: FencingToken, instance_id: str, timeout: float) -> bool:
-        """Read ``role``'s key and compare it with ``token``; ``False`` on any doubt."""
-        self._loop.start()
-        try:
-            return self._loop.run(self._validate(role, token, instance_id, timeout), timeout)
-        except (TimeoutError, RuntimeError, ElectionError) as exc:
-            logger.warning("could not validate the token of %r: %s", role, exc)
-            return False
-
-    async def _validate(
-        self, role: str, token: FencingToken, instance_id: str, timeout: float
-    ) -> bool:
-        bucket = self._bucket
-        if bucket is None:
-            nc = await connect(self._connection, timeout=timeout, name="celery-nats-leader-child")
-            backend = JetStreamBackend(nc)
-            bucket = await backend.open_bucket(
-                self._bucket_name, ttl=None, create=False, replicas=1, timeout=timeout
-            )
-            self._bucket = bucket
-        entry = await bucket.get(role, timeout=timeout)
-        if entry is None:
-            return False
-        try:
-            record = decode_record(entry.value, entry.revision)
-        except RecordFormatError:
-            return False
-        return (
-            record.id == instance_id and record.token == token.value and record.epoch == token.epoch
-        )
+                reader = TermReader(self.connection, self.bucket, name="celery-nats-leader-child")
+                self._reader = reader
+            return reader
 
 
 class _Process:

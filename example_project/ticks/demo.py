@@ -40,13 +40,26 @@ from django.core.management.base import CommandError
 from django.test.utils import override_settings
 
 from celery_nats_leader.errors import ElectionError
-from celery_nats_leader.nats.connection import ConnectOptions, connect
-from celery_nats_leader.nats.jetstream import JetStreamBackend
-from django_nats_leader.operations import fetch_report, run_once
+from celery_nats_leader.nats import ConnectOptions, open_backend
+from celery_nats_leader.ops.bucket import delete_bucket
+from celery_nats_leader.ops.oneshot import run_once
+from celery_nats_leader.ops.status import fetch_report
 from ticks.ledger import Run, Verdict, verify
 
 #: Seconds a replica gets for a warm shutdown before it is killed.
 STOP_TIMEOUT = 20.0
+#: Seconds between "still waiting" lines while setting up.
+PROGRESS_SECONDS = 5.0
+#: The role whose leader runs the job (``ticks.tasks.ROLE``).
+ROLE_DEFAULT = "default"
+
+EPOCHS_EXPLAINED = (
+    "  (why the epoch jumped: a term's epoch is the KV revision at which it began, and the "
+    "bucket's revision counts every write to it - each renewal of each role's key, every few "
+    "hundred ms. The new term starts at the revision of now, past all the renewals of the old "
+    "one. Epochs only ever grow, which is what fencing needs; the size of the gap means "
+    "nothing.)"
+)
 
 
 class DemoFailed(Exception):
@@ -80,6 +93,7 @@ class Replica:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
         self.proc.wait()
+        self._wait_group_gone()
 
     def stop(self) -> None:
         """Warm shutdown (leaders hand over), then make sure nothing is left."""
@@ -92,6 +106,18 @@ class Replica:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
         self.proc.wait()
+        self._wait_group_gone()
+
+    def _wait_group_gone(self, timeout: float = 5.0) -> None:
+        """Return once no process of the group is left ("stopped" means gone)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.pid, 0)
+            except ProcessLookupError:
+                return
+            # Orphaned children are reaped by init, not by us: nothing to wait on.
+            time.sleep(0.02)
 
     def tail(self, lines: int = 25) -> str:
         """The end of its log."""
@@ -140,6 +166,11 @@ class Demo:
         self.victim_beat_id: str | None = None
         self.logs = self.data_dir / "logs"
         self.replicas: list[Replica] = []
+        self.interrupted = False
+        # The live view: ledger rows already printed, beat terms already named.
+        self.printed_id = 0
+        self.beat_epochs: list[int] = []
+        self.epochs_explained = False
 
     # -------------------------------------------------------------- phases
 
@@ -151,26 +182,46 @@ class Demo:
                 f"{self.interval:g}s, election TTL {self.ttl:g}s"
             )
         )
-        with self._nats() as url:
-            self.url = url
-            with override_settings(NATS_LEADER=self._nats_leader()):
-                try:
-                    self._prepare()
-                    self._start_replicas()
-                    return self._scenario()
-                finally:
-                    self._stop_replicas()
-                    self._drop_buckets()
+        try:
+            with self._nats() as url:
+                self.url = url
+                with override_settings(NATS_LEADER=self._nats_leader()):
+                    try:
+                        self._prepare()
+                        self._start_replicas()
+                        return self._scenario()
+                    except KeyboardInterrupt:
+                        # Ctrl-C: stop what was started, without a traceback. A
+                        # second Ctrl-C must not abandon replicas half-stopped.
+                        signal.signal(signal.SIGINT, signal.SIG_IGN)
+                        self.interrupted = True
+                        self.write("")
+                        self.write("interrupted; stopping the replicas ...")
+                        return False
+                    finally:
+                        self._stop_replicas()
+                        self._drop_buckets()
+        except KeyboardInterrupt:  # before any replica started (set-up)
+            self.interrupted = True
+            return False
 
     def _scenario(self) -> bool:
-        self.write(f"waiting for the job to run {self.before} times ...")
-        self._wait(lambda: self._count() >= self.before, "the first runs of the job")
+        self.write("")
+        self.write(
+            self.style.MIGRATE_HEADING(
+                f"the job, live: one line per run (tick = the slot beat dispatched; epochs of the "
+                f"beat term that sent it and of the {ROLE_DEFAULT!r} term that ran it)"
+            )
+        )
+        self._wait(
+            lambda: self._count() >= self.before, f"the job to run {self.before} times", live=True
+        )
         self._status("election status (all replicas up)")
         victim, roles = self._beat_leader()
         # Kill right after a run, not in the middle of one: the next tick is
         # a whole interval away.
         seen = self._count()
-        self._wait(lambda: self._count() > seen, "the next run")
+        self._wait(lambda: self._count() > seen, "the next run", live=True)
         last_slot = self._last_slot()
         victim.kill()
         killed_at = time.monotonic()
@@ -180,12 +231,14 @@ class Demo:
                 f"{' and '.join(roles)}; its keys expire within the TTL ({self.ttl:g}s)"
             )
         )
-        self._wait(lambda: self._count(after=last_slot) >= 1, "a run after the kill")
+        self.write(self.style.WARNING("  ---------- leader killed here ----------"))
+        self._wait(lambda: self._count(after=last_slot) >= 1, "a run after the kill", live=True)
         paused = time.monotonic() - killed_at
         self.write(f"the job ran again {paused:.1f}s after the kill")
         self._wait(
             lambda: self._count(after=last_slot) >= self.after and self._beat_moved(victim),
             f"{self.after} runs after the kill",
+            live=True,
         )
         self._status("election status (after the kill)")
         self._stop_replicas()
@@ -232,6 +285,7 @@ class Demo:
             for folder in ("broker", "broker-processed", "broker-control"):
                 shutil.rmtree(self.data_dir / folder, ignore_errors=True)
                 (self.data_dir / folder).mkdir(parents=True)
+        self.write("migrating the example database ...")
         call_command("migrate", verbosity=0, interactive=False)
         Tick.objects.all().delete()
         # A fresh bucket starts its epochs at 1 again: reset the fence too.
@@ -261,6 +315,7 @@ class Demo:
                 # The first replica takes both roles before the others start,
                 # so that killing it shows both elections failing over.
                 self._wait(self._first_leads, "replica1 to lead beat and default")
+                self._name_leaders()
             name = f"replica{i}"
             schedule = self.data_dir / f"beat-{name}"
             for leftover in self.data_dir.glob(f"beat-{name}*"):
@@ -284,6 +339,17 @@ class Demo:
                 )
             self.replicas.append(Replica(name, proc, log_path))
             self.write(f"started {name} (pid {proc.pid}): celery worker -B")
+        # The first status shows every replica as a candidate of both roles.
+        self._wait(self._all_joined, f"all {self.replica_count} replicas to join both elections")
+
+    def _all_joined(self) -> bool:
+        try:
+            roles = self._report()
+        except ElectionError:
+            return False
+        return len(roles) == 2 and all(
+            len(status.candidates) == self.replica_count for status in roles.values()
+        )
 
     def _first_leads(self) -> bool:
         first = self.replicas[0]
@@ -331,9 +397,24 @@ class Demo:
         row = Tick.objects.exclude(slot=None).order_by("-slot").first()
         return None if row is None else row.slot
 
-    def _wait(self, predicate: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + self.timeout
-        while not predicate():
+    def _wait(self, predicate: Callable[[], bool], what: str, *, live: bool = False) -> None:
+        """Poll ``predicate``; print new runs (``live``) or progress every few seconds."""
+        started = time.monotonic()
+        deadline = started + self.timeout
+        next_note = started + PROGRESS_SECONDS
+        if not live:
+            self.write(f"waiting for {what} ...")
+        while True:
+            if live:
+                self._print_new_runs()
+            if predicate():
+                if live:
+                    self._print_new_runs()
+                return
+            now = time.monotonic()
+            if not live and now >= next_note:
+                self.write(f"  ... still waiting for {what} ({now - started:.0f}s)")
+                next_note = now + PROGRESS_SECONDS
             for replica in self.replicas:
                 if replica.proc.poll() is not None and replica.proc.returncode != -signal.SIGKILL:
                     raise DemoFailed(
@@ -351,6 +432,16 @@ class Demo:
             call_command("election_status", stdout=_Lines(self.write), stderr=_Lines(self.write))
         except CommandError as exc:
             self.write(self.style.ERROR(f"(exit {exc.returncode}: {exc})"))
+        # The table names processes; say which replica each leader belongs to
+        # (a replica's beat is a child process of its worker: another pid).
+        with contextlib.suppress(ElectionError):
+            named = [
+                f"{role} -> {self._replica_of(status.leader_meta)}"
+                + (" (its embedded beat)" if role == "beat" else "")
+                for role, status in sorted(self._report().items())
+                if status.has_leader
+            ]
+            self.write(f"leaders by replica: {', '.join(named)}")
         self.write("")
 
     def _report(self) -> dict[str, Any]:
@@ -374,6 +465,55 @@ class Demo:
         ]
         self.victim_beat_id = beat.leader_id
         return victim, led
+
+    def _replica_of(self, meta: dict[str, Any]) -> str:
+        """The replica that published ``meta`` (a leader record's), by its pid."""
+        pid = meta.get("pid")
+        for replica in self.replicas:
+            if isinstance(pid, int) and replica.owns(pid):
+                return replica.name
+        return f"pid {pid}" if pid is not None else "an unknown process"
+
+    def _name_leaders(self) -> None:
+        """Say which replica leads each role, and with which epoch."""
+        roles = self._report()
+        for role, status in sorted(roles.items()):
+            self.write(
+                f"{self._replica_of(status.leader_meta)} leads {role!r} (epoch {status.epoch})"
+            )
+
+    def _print_new_runs(self) -> None:
+        """One line per run of the job, as it lands in the ledger."""
+        from ticks.models import Tick
+
+        # Rows land as runs finish (two at once with a pool of 2): in tick order
+        # within what one look finds.
+        rows = list(Tick.objects.filter(id__gt=self.printed_id))
+        if rows:
+            self.printed_id = max(row.id for row in rows)
+        for row in sorted(rows, key=lambda r: (r.slot is None, r.slot or datetime.min, r.id)):
+            if row.dispatch_epoch is not None and row.dispatch_epoch not in self.beat_epochs:
+                self._new_beat_term(row.dispatch_epoch)
+            slot = row.slot.strftime("%H:%M:%S.%f")[:-3] if row.slot else "-"
+            self.write(
+                f"  tick {slot}  run {row.run or '-':>3}  ran on {row.worker.split('@')[0]:<9} "
+                f"beat epoch {row.dispatch_epoch or '-':>4}  "
+                f"{ROLE_DEFAULT} epoch {row.leader_epoch:>4}"
+            )
+
+    def _new_beat_term(self, epoch: int) -> None:
+        previous = self.beat_epochs[-1] if self.beat_epochs else None
+        self.beat_epochs.append(epoch)
+        try:
+            beat = self._report()["beat"]
+            who = self._replica_of(beat.leader_meta) if beat.epoch == epoch else None
+        except (ElectionError, KeyError):
+            who = None
+        self.write(f"  beat leader: {who or 'a replica that no longer leads'} (epoch {epoch})")
+        if previous is not None and not self.epochs_explained:
+            self.epochs_explained = True
+            self.write(self.style.NOTICE(f"  beat epoch {previous} -> {epoch}"))
+            self.write(EPOCHS_EXPLAINED)
 
     def _beat_moved(self, victim: Replica) -> bool:
         try:
@@ -467,36 +607,44 @@ def _settings() -> Any:
 
 async def _jetstream_ready(url: str) -> bool:
     try:
-        nc = await connect(ConnectOptions(servers=(url,)), timeout=1.5, name="demo-probe")
+        backend = await open_backend(ConnectOptions(servers=(url,)), timeout=1.5, name="demo-probe")
     except ElectionError:
         return False
-    try:
-        reply = await JetStreamBackend(nc).request("$JS.API.INFO", b"", timeout=1.5)
-        return "error" not in json.loads(reply)
-    except (ElectionError, ValueError):
-        return False
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.close()
+    async with backend:
+        try:
+            reply = await backend.request("$JS.API.INFO", b"", timeout=1.5)
+            return "error" not in json.loads(reply)
+        except (ElectionError, ValueError):
+            return False
 
 
 async def _delete_buckets(url: str, buckets: list[str]) -> None:
-    nc = await connect(ConnectOptions(servers=(url,)), timeout=2, name="demo-cleanup")
-    try:
-        backend = JetStreamBackend(nc)
+    async with await open_backend(
+        ConnectOptions(servers=(url,)), timeout=2, name="demo-cleanup"
+    ) as backend:
         for bucket in buckets:
             with contextlib.suppress(ElectionError):
-                await backend.request(f"$JS.API.STREAM.DELETE.KV_{bucket}", b"", timeout=2)
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.close()
+                await delete_bucket(backend, bucket, timeout=2)
 
 
-def main(write: Callable[[str], None], style: Any, **options: Any) -> bool:
-    """Run the demo (see :class:`Demo`); ``True`` on success."""
+#: Exit status after Ctrl-C (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
+
+
+def main(write: Callable[[str], None], style: Any, **options: Any) -> int:
+    """Run the demo (see :class:`Demo`).
+
+    Returns:
+        The exit status: 0 on success, 1 when the demo failed, 130 when
+        interrupted (Ctrl-C; the replicas are stopped first).
+    """
     demo = Demo(write, style, **options)
     try:
-        return demo.run()
+        ok = demo.run()
     except DemoFailed as exc:
         write(style.ERROR(f"FAILED: {exc}"))
-        return False
+        return 1
+    if demo.interrupted:
+        write(style.WARNING("interrupted; replicas stopped"))
+        return EXIT_INTERRUPTED
+    return 0 if ok else 1

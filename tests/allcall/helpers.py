@@ -150,9 +150,9 @@ class MemoryCluster:
             allcall_config(name, priority=priority, **kw),
             backend=backend,
             clock=clock,
-            wall_clock=lambda: clock.monotonic() + offset,
             rng=random.Random(seed if seed is not None else name),
         )
+        election.wall_clock = lambda: clock.monotonic() + offset
         node = watch(election, clock.monotonic)
         node.backend = backend
         self.nodes.append(node)

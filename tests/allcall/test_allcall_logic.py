@@ -568,6 +568,12 @@ def test_new_election_picks_the_strategy() -> None:
     assert isinstance(new_election(ElectionConfig()), Election)
     with pytest.raises(ConfigError, match="strategy='allcall'"):
         AllcallElection(ElectionConfig())
+    # The KV class refuses a config asking for ALLCALL instead of running KV.
+    with pytest.raises(ConfigError, match=r"strategy='allcall'.*new_election\(config\)"):
+        Election(ElectionConfig(strategy="allcall"))
+    from celery_nats_leader import new_election as exported
+
+    assert exported is new_election
 
 
 async def test_bind_after_start_is_refused(cluster: MemoryCluster) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,14 @@ from celery.signals import task_postrun, task_prerun, task_received
 from cnl_celery_ledger import Ledger
 
 from celery_nats_leader import (
+    LeaderContext,
     LeadershipLostError,
     LeaderTask,
     install,
     leader_demoted,
     leader_only,
     leader_promoted,
+    leader_service,
 )
 from celery_nats_leader.testing import kombu_fs
 
@@ -70,7 +73,8 @@ def make_app(config: dict[str, Any]) -> Celery:
         nats_leader_start_timeout=config.get("start_timeout", 10.0),
         **{f"nats_leader_{k}": v for k, v in config.get("extra", {}).items()},
     )
-    install(app)
+    if not config.get("without_leader"):
+        install(app)  # (without: plain Celery, to compare our behaviour with Celery's own)
     ledger = Ledger(config["ledger"])
     role = config["roles"][0]
 
@@ -137,6 +141,32 @@ def make_app(config: dict[str, Any]) -> Celery:
         )
         return seq
 
+    if config.get("service_dir"):
+        service_dir = Path(config["service_dir"])
+
+        @leader_service(app, role=role)
+        def recorder(ctx: LeaderContext) -> None:
+            # One file per worker; a sample's clock is read *before* the
+            # check, so every "alive" instant was inside the term.
+            with (service_dir / f"{MAIN_PID}.txt").open("a") as out:
+                while True:
+                    now = time.monotonic()
+                    if ctx.stopped:
+                        break
+                    out.write(f"alive {ctx.token.epoch} {now!r}\n")
+                    out.flush()
+                    if ctx.wait(0.02):
+                        break
+                reason = ctx.reason.value if ctx.reason is not None else "stopped"
+                out.write(f"stop {ctx.token.epoch} {time.monotonic()!r} {reason}\n")
+
+    if config.get("hang_on_demote"):
+
+        @leader_demoted.connect(weak=False)
+        def hang(sender: str, **kwargs: Any) -> None:
+            # A user's receiver that never returns (a stuck network call).
+            threading.Event().wait()
+
     app.cnl_ledger = ledger
     return app
 
@@ -183,6 +213,11 @@ def _connect_recorders(ledger: Ledger) -> None:
 
 
 if "CNL_CONFIG" in os.environ:
+    import faulthandler
+    import signal
+
+    # Diagnostics: SIGUSR1 dumps every thread's stack into the worker's log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     _config = json.loads(os.environ["CNL_CONFIG"])
     app = make_app(_config)
     _connect_recorders(app.cnl_ledger)

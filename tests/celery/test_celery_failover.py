@@ -1,6 +1,6 @@
 """Three workers, a stream of leader-only tasks, the leader crashes once and stops once.
 
-What is promised (README, Celery section, "Delivery semantics") and asserted here:
+What is promised (docs/workers.md, "Delivery semantics") and asserted here:
 
 * nothing is lost: every task is committed, exactly once;
 * every run happened on the worker that held the role at that moment: its

@@ -13,10 +13,11 @@
 from __future__ import annotations
 
 import asyncio
-import logging
+import contextlib
 import os
 import signal
 import subprocess
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -123,7 +124,7 @@ def test_prefetched_messages_survive_demotion(cluster_factory: Any, broker: Brok
 
     result = run_cli(cluster, "resign", cluster.role)
     assert result.returncode == 0, result.stderr
-    assert "stepping down" in result.stdout
+    assert f"stepped down from role {cluster.role!r}" in result.stdout
     cluster.wait_leader(exclude=(first,))
     hold.touch()
     wait_for(lambda: ledger.committed() == total, 120, "every task committed", cluster.diagnostics)
@@ -246,21 +247,17 @@ def test_fencing_refuses_a_run_that_outlived_its_term(cluster_factory: Any) -> N
     # Now the old run reaches its commit: refused as stale, handed back.
     hold.touch()
     wait_for(lambda: ledger.committed() == 2, 60, "task 1 to commit", cluster.diagnostics)
+    # The old worker then finishes its warm shutdown and exits, like any
+    # Celery worker (tests/celery/test_celery_shutdown.py compares the times).
     try:
         exit_code = first.wait(60)
     except subprocess.TimeoutExpired:
-        # Open bug, not yet understood: in about one run in five, Celery's
-        # warm shutdown of the old worker stalls after the rejected task (its
-        # log shows a second "Warm shutdown" line and nothing after). What this
-        # test is about is asserted above and below; the stall is logged loudly
-        # and tracked in the project's notes rather than failing the run.
-        logging.getLogger(__name__).error(
-            "old worker did not finish its warm shutdown in 60 s; killing it:\n%s",
-            first.log()[-3000:],
-        )
-        first.kill()
-    else:
-        assert exit_code == 0
+        # Every thread's stack into its log (faulthandler, see cnl_celery_app).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGUSR1)
+        time.sleep(2)
+        raise AssertionError(f"the old worker did not exit:\n{first.log()[-20000:]}") from None
+    assert exit_code == 0
 
     assert ledger.rows("SELECT seq, main_pid FROM commits ORDER BY seq") == [
         (1, second.pid),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import urllib.request
 from typing import Any
@@ -112,7 +113,19 @@ def test_metrics_endpoint(cluster_factory: Any) -> None:
         validations = _sample(text, "nats_leader_token_validations_total", role=role)
         return text if heartbeats and heartbeats >= 2 and validations and validations >= 3 else None
 
-    text = wait_for(leader_metrics, 30, "renewals and validations in the metrics")
+    def both_workers() -> str:
+        lines = []
+        for name, port in (("w1", leader_port), ("w2", follower_port)):
+            lines += [
+                f"{name}: {line}"
+                for line in _scrape(port).splitlines()
+                if line.startswith("nats_leader_") and "_bucket{" not in line
+            ]
+        return "\n".join(lines)
+
+    text = wait_for(
+        leader_metrics, 30, "renewals and validations in the metrics", diagnostics=both_workers
+    )
     assert _sample(text, "nats_leader_is_leader", role=role) == 1.0
     assert _sample(text, "nats_leader_campaigns_total", role=role, outcome="won") == 1.0
     assert _sample(text, "nats_leader_transitions_total", role=role, to_state="leader") == 1.0
@@ -127,10 +140,22 @@ def test_metrics_endpoint(cluster_factory: Any) -> None:
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"ttl": "soon"}, "ttl='soon' must be a number of seconds"),
-        ({"roles": ["no spaces please"]}, "is not a valid role name"),
-        ({"extra": {"heartbeat_interval": 5}}, "heartbeat_interval=5.0 is too long for ttl=2.0"),
-        ({"extra": {"role_options": {"other": {"ttl": 3}}}}, "role_options names role(s) other"),
+        (
+            {"ttl": "soon", "extra": {"rolse": ["typo"]}},
+            "nats_leader_ttl='soon' must be a number of seconds",
+        ),
+        (
+            {"roles": ["jobs", "no spaces please"]},
+            "nats_leader_roles='no spaces please' is not a valid role name",
+        ),
+        (
+            {"extra": {"heartbeat_interval": 5}},
+            "nats_leader_heartbeat_interval=5.0 is too long for nats_leader_ttl=2.0",
+        ),
+        (
+            {"extra": {"role_options": {"other": {"ttl": 3}}}},
+            "nats_leader_role_options names role(s) other",
+        ),
     ],
 )
 def test_bad_config_stops_the_worker_with_a_clear_error(
@@ -138,9 +163,12 @@ def test_bad_config_stops_the_worker_with_a_clear_error(
 ) -> None:
     cluster: Cluster = cluster_factory(ttl=2.0)
     worker = cluster.start_worker("bad", config=config, wait=False)
-    assert worker.wait(60) != 0
+    assert worker.wait(60) == os.EX_CONFIG
     log = worker.log()
     assert "ConfigError" in log and message in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    if "rolse" in config.get("extra", {}):
+        assert "did you mean 'nats_leader_roles'?" in log, log[-3000:]
 
 
 def test_required_nats_unreachable_refuses_to_start(cluster_factory: Any) -> None:
@@ -149,10 +177,11 @@ def test_required_nats_unreachable_refuses_to_start(cluster_factory: Any) -> Non
     worker = cluster.start_worker(
         "w1", config={"nats_url": dead, "required": True, "start_timeout": 2}, wait=False
     )
-    assert worker.wait(60) != 0
+    assert worker.wait(60) == os.EX_UNAVAILABLE
     log = worker.log()
     assert "cannot start leader election (nats_leader_required=True)" in log, log[-3000:]
     assert "could not connect to NATS" in log
+    assert "Traceback" not in log, log[-3000:]
 
 
 def test_unreachable_nats_serves_ordinary_tasks_and_keeps_trying(cluster_factory: Any) -> None:
@@ -170,7 +199,14 @@ def test_unreachable_nats_serves_ordinary_tasks_and_keeps_trying(cluster_factory
             "the ordinary task to run without NATS",
         )
         cluster.send("cnl.record", 1)
-        wait_for(lambda: "NATS unreachable" in worker.log(), 30, "a loud warning")
+        wait_for(
+            lambda: (
+                "leader election is not running (1 failed attempt): NatsUnavailableError"
+                in worker.log()
+            ),
+            30,
+            "a loud warning",
+        )
         assert ledger.committed() == 0
 
         late.start()
@@ -201,8 +237,10 @@ def test_missing_bucket_is_a_clear_error_when_required(cluster_factory: Any) -> 
     worker = cluster.start_worker("w1", config={"required": True}, wait=False)
     assert worker.wait(60) != 0
     log = worker.log()
-    assert "cannot start leader election" in log and "BucketNotFound" in log, log[-3000:]
-    assert "Unrecoverable error" in log
+    assert worker.proc.returncode == os.EX_UNAVAILABLE
+    assert "cannot start leader election" in log and "BucketNotFoundError: KV bucket" in log, log
+    # One line that says what to do, not NATS's chained tracebacks.
+    assert "Traceback" not in log, log[-3000:]
     assert not asyncio.run(_bucket_exists_quietly(cluster))
 
 
@@ -211,3 +249,18 @@ async def _bucket_exists_quietly(cluster: Cluster) -> bool:
         return await _bucket_exists(cluster.nats.url, cluster.config["bucket"])
     except Exception:
         return False
+
+
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_green_pools_are_refused_at_start_with_a_clear_message(
+    cluster_factory: Any, pool: str
+) -> None:
+    cluster: Cluster = cluster_factory(ttl=2.0)
+    worker = cluster.start_worker("green", pool=pool, wait=False)
+    assert worker.wait(60) == os.EX_CONFIG
+    log = worker.log()
+    assert f"the {pool} pool is not supported" in log, log[-3000:]
+    assert "Use -P prefork (the default), threads or solo" in log
+    assert "Traceback" not in log, log[-3000:]
+    # Refused before campaigning: it never led.
+    assert cluster.ledger.promotions() == []

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
+from datetime import datetime, timedelta, timezone
 from io import StringIO
 from typing import Any
 
@@ -171,8 +173,17 @@ def test_status_watch_refreshes(two: Candidates) -> None:
     docs = [json.loads(line) for line in out.splitlines()]
     assert len(docs) == 3
     assert all(d["roles"][1]["leader_id"] == "cand-a" for d in docs)
+    # Each refresh says which one it is and when it was read.
+    assert [d["refresh"] for d in docs] == [1, 2, 3]
+    times = [datetime.fromisoformat(d["refreshed_at"].replace("Z", "+00:00")) for d in docs]
+    assert times == sorted(times) and times[0] < times[-1]
+    assert all(abs(t - datetime.now(timezone.utc)) < timedelta(minutes=1) for t in times)
     out, _ = run("election_status", "--watch", "--count", "2", "--interval", "0.1")
     assert out.count("Bucket '") == 2
+    separators = re.findall(r"^--- (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) UTC, refresh (\d+)$", out, re.M)
+    assert [n for _, n in separators] == ["1", "2"], out
+    # The separator comes first, then that refresh's table.
+    assert out.index("refresh 1") < out.index("Bucket '") < out.index("refresh 2")
 
 
 def test_status_invalid_role_exits_2(two: Candidates) -> None:

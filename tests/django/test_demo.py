@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
@@ -108,3 +109,79 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert before >= 3 and after >= 5 and total == before + after
     ledger_rows = re.findall(r"^  \d\d:\d\d:\d\d\.\d{3} +\d+  (replica\d)@", out, re.M)
     assert len(ledger_rows) == total
+
+    # Set-up says what it waits for; the live view prints each run as it lands:
+    # its tick, the replica and both epochs, and names every beat leader.
+    assert "waiting for replica1 to lead beat and default ..." in out
+    assert re.search(r"^replica1 leads 'beat' \(epoch \d+\)$", out, re.M), out
+    live = re.findall(
+        r"^  tick (\d\d:\d\d:\d\d\.\d{3})  run +(\d+)  ran on (replica\d) +"
+        r"beat epoch +(\d+)  default epoch +(\d+)$",
+        out,
+        re.M,
+    )
+    # Every run seen while the demo watched (--before 3, --after 5), each once,
+    # and the same runs as the ledger's.
+    assert len(live) >= 3 + 5, out
+    ledger_ticks = re.findall(r"^  (\d\d:\d\d:\d\d\.\d{3}) +\d+  replica", out, re.M)
+    assert len({r[0] for r in live}) == len(live)
+    assert {r[0] for r in live} <= set(ledger_ticks)
+    beat_leaders = re.findall(r"^  beat leader: (replica\d) \(epoch (\d+)\)$", out, re.M)
+    assert len(beat_leaders) >= 2, out
+    assert beat_leaders[0][0] == killed.group(1)
+    assert beat_leaders[1][0] != killed.group(1)
+    first_epoch, second_epoch = int(beat_leaders[0][1]), int(beat_leaders[1][1])
+    assert second_epoch > first_epoch
+    assert f"beat epoch {first_epoch} -> {second_epoch}" in out
+    assert "why the epoch jumped" in out
+    by_replica = re.findall(
+        r"^leaders by replica: beat -> (replica\d) \(its embedded beat\)", out, re.M
+    )
+    assert by_replica[0] == killed.group(1) and by_replica[1] != killed.group(1)
+    assert "Traceback" not in out + done.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.celery
+@pytest.mark.timeout(180)
+def test_demo_ctrl_c_stops_the_replicas_without_a_traceback(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in {"BROKER_URL", "REDIS_URL"}}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    env.update(
+        EXAMPLE_DATA_DIR=str(tmp_path / "data"),
+        NATS_URL=f"nats://127.0.0.1:{free_port()}",
+        EXAMPLE_TTL="2",
+        PYTHONUNBUFFERED="1",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "manage.py", "demo", "--timeout", "60"],
+        cwd=EXAMPLE,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a terminal's Ctrl-C goes to the foreground group
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:  # the demo's own progress is the event to wait on
+            lines.append(line)
+            if line.startswith("  tick "):
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()
+    out = "".join(lines) + rest
+    assert proc.returncode == 130, out
+    assert out.rstrip().endswith("interrupted; replicas stopped"), out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    pids = [int(p) for p in re.findall(r"^started replica\d \(pid (\d+)\)", out, re.M)]
+    assert pids, out
+    for pid in pids:  # each replica's whole process group is gone
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)

@@ -28,7 +28,7 @@ from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 
 from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionError, FencingToken
-from celery_nats_leader.nats.connection import ConnectOptions
+from celery_nats_leader.nats import ConnectOptions, JetStreamBackend
 from celery_nats_leader.record import LeaderRecord, decode_record
 from celery_nats_leader.testing import CandidateEvent, CandidateGroup, NatsServer
 
@@ -214,7 +214,10 @@ class LocalElections:
             servers=(url,) if url else tuple(self.urls),
             options={"reconnect_time_wait": RECONNECT_WAIT},
         )
-        election = Election(ElectionConfig(**options), connection, connect_options=connect_options)
+        # Several elections may share one test-owned connection: each gets a
+        # backend on it that leaves it open (the test closes it).
+        backend = JetStreamBackend(connection) if connection is not None else None
+        election = Election(ElectionConfig(**options), backend, connect_options=connect_options)
         self.elections[name] = election
 
         @election.on_promote

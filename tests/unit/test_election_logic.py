@@ -414,3 +414,29 @@ async def test_leftover_is_cleared_only_after_demote_callbacks_returned(
     promoted_at = time.monotonic()
     assert callback_returned, "a new term started before the old leader's callback returned"
     assert callback_returned[0] <= promoted_at
+
+
+async def test_a_create_overwritten_before_its_ack_is_a_lost_campaign(
+    make: Callable[..., Candidate], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A clustered nats-server before 2.9.21 can accept two concurrent creates
+    # of one key (nats-server#4320): ours lands, another lands right after it,
+    # and the watch reports the other before our create's acknowledgement.
+    from celery_nats_leader.nats.memory import MemoryBucket
+
+    original = MemoryBucket.create
+    other = encode_record(instance_id="other", token="t-other", epoch=None, priority=0, meta={})
+
+    async def create_then_overwritten(
+        self: MemoryBucket, key: str, value: bytes, *, timeout: float
+    ) -> int:
+        revision = await original(self, key, value, timeout=timeout)
+        await self.put(key, other, timeout=timeout)  # the concurrent create that also won
+        return revision
+
+    monkeypatch.setattr(MemoryBucket, "create", create_then_overwritten)
+    a = make("a")
+    await a.election.start()
+    assert not a.election.is_leader
+    assert a.promotions == []  # never announced a term it did not hold
+    assert a.election.leader_id == "other"

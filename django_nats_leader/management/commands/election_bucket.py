@@ -22,19 +22,13 @@ from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.config import validate_bucket
 from celery_nats_leader.errors import BucketNotFoundError, ConfigError, ElectionError
+from celery_nats_leader.nats import open_backend
+from celery_nats_leader.ops.bucket import BucketInfo, bucket_info, bucket_ttls, ensure_bucket
 from celery_nats_leader.ops.events import StreamInfo, ensure_events_stream, stream_info
+from celery_nats_leader.ops.oneshot import operator_name, run_once
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
 from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
-from django_nats_leader.operations import (
-    BucketInfo,
-    bucket_info,
-    bucket_ttls,
-    ensure_bucket,
-    open_backend,
-    operator_name,
-    run_once,
-)
 
 #: What a bucket holds: election keys, or the beat schedule's state.
 ELECTION, BEAT_STATE = "election", "beat_state"
@@ -113,7 +107,7 @@ def inspect_or_create(
     async def run() -> list[Outcome]:
         name = operator_name("manage.py election_bucket")
         found: list[Outcome] = []
-        async with open_backend(settings, timeout=timeout, name=name) as backend:
+        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
             for target in wanted:
                 try:
                     if create:
@@ -148,7 +142,7 @@ def events_stream_of(
 
     async def run() -> StreamInfo | None:
         name = operator_name("manage.py election_bucket")
-        async with open_backend(settings, timeout=timeout, name=name) as backend:
+        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
             if create:
                 return await ensure_events_stream(
                     backend,

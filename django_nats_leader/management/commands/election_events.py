@@ -19,9 +19,10 @@ from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.errors import ElectionError
 from celery_nats_leader.events import TransitionEvent
+from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.events import show_events
+from celery_nats_leader.ops.oneshot import operator_name, run_once
 from django_nats_leader.management.common import EXIT_ERROR, load_settings
-from django_nats_leader.operations import open_backend, operator_name, run_once
 
 
 class Command(BaseCommand):
@@ -56,7 +57,9 @@ class Command(BaseCommand):
 
         async def run() -> bool:
             name = operator_name("manage.py election_events")
-            async with open_backend(settings, timeout=options["timeout"], name=name) as backend:
+            async with await open_backend(
+                settings.connection, timeout=options["timeout"], name=name
+            ) as backend:
                 return await show_events(
                     backend,
                     settings.bucket,

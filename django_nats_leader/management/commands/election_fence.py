@@ -23,11 +23,12 @@ from django.db import DatabaseError
 
 from celery_nats_leader.config import validate_key
 from celery_nats_leader.errors import ConfigError, ElectionError, NotLeaderError
+from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.fence import FenceOutcome, fence_leader
+from celery_nats_leader.ops.oneshot import operator_name, run_once
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
-from django_nats_leader.operations import open_backend, operator_name, run_once
 
 
 def fence_role(
@@ -38,7 +39,9 @@ def fence_role(
 
     async def run() -> FenceOutcome:
         requester = operator_name("manage.py election_fence")
-        async with open_backend(settings, timeout=timeout, name=requester) as backend:
+        async with await open_backend(
+            settings.connection, timeout=timeout, name=requester
+        ) as backend:
             return await fence_leader(
                 backend,
                 bucket,

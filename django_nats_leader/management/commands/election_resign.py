@@ -23,31 +23,14 @@ from celery_nats_leader.errors import (
     ElectionError,
     NotLeaderError,
 )
-from celery_nats_leader.settings import LeaderSettings
-from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
-from django_nats_leader.operations import (
+from celery_nats_leader.ops.oneshot import operator_name
+from celery_nats_leader.ops.resign import (
     ResignOutcome,
-    open_backend,
-    operator_name,
-    resign_leader,
-    run_once,
+    outcome_lines,
+    outcome_to_dict,
+    request_resignation,
 )
-
-
-def request_resignation(
-    settings: LeaderSettings, role: str, *, timeout: float, wait: float
-) -> ResignOutcome:
-    """Ask the leader of ``role`` to step down; wait up to ``wait`` seconds for a successor."""
-    bucket = settings.election_config(role).bucket
-
-    async def run() -> ResignOutcome:
-        requester = operator_name("manage.py election_resign")
-        async with open_backend(settings, timeout=timeout, name=requester) as backend:
-            return await resign_leader(
-                backend, bucket, role, timeout=timeout, wait=wait, requester=requester
-            )
-
-    return run_once(run)
+from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
 
 
 class Command(BaseCommand):
@@ -85,7 +68,11 @@ class Command(BaseCommand):
             wait = settings.election_config(role).ttl + 1.0
         try:
             outcome = request_resignation(
-                settings, role, timeout=options["timeout"], wait=float(wait)
+                settings,
+                role,
+                timeout=options["timeout"],
+                wait=float(wait),
+                requester=operator_name("manage.py election_resign"),
             )
         except NotLeaderError as exc:
             raise CommandError(str(exc), returncode=EXIT_NO_LEADER) from exc
@@ -103,49 +90,5 @@ class Command(BaseCommand):
             )
 
     def _report(self, outcome: ResignOutcome, wait: float) -> None:
-        previous = outcome.previous
-        assert previous is not None  # resign_leader raises when nobody leads
-        who = outcome.answered_by or previous.id
-        if not outcome.accepted:
-            self.stdout.write(
-                self.style.WARNING(f"{who} refused to step down from {outcome.role!r}")
-            )
-            return
-        self.stdout.write(
-            self.style.SUCCESS(
-                f"{who} stepped down from role {outcome.role!r} (epoch {previous.epoch})"
-            )
-        )
-        successor = outcome.successor
-        if successor is None:
-            if wait > 0:
-                self.stdout.write(
-                    self.style.WARNING(f"no new leader of {outcome.role!r} within {wait:g}s")
-                )
-            return
-        took = (
-            ""
-            if outcome.handover_seconds is None
-            else f" after {outcome.handover_seconds * 1000:.0f} ms"
-        )
-        self.stdout.write(
-            self.style.SUCCESS(
-                f"new leader of {outcome.role!r}: {successor.id} (epoch {successor.epoch}){took}"
-            )
-        )
-
-
-def outcome_to_dict(outcome: ResignOutcome) -> dict[str, Any]:
-    """The ``--json`` form: role, accepted, stepped_down {id, epoch}, new_leader {id, epoch}."""
-
-    def record(rec: Any) -> dict[str, Any] | None:
-        return None if rec is None else {"id": rec.id, "epoch": rec.epoch, "meta": dict(rec.meta)}
-
-    return {
-        "role": outcome.role,
-        "accepted": outcome.accepted,
-        "answered_by": outcome.answered_by,
-        "stepped_down": record(outcome.previous) if outcome.accepted else None,
-        "new_leader": record(outcome.successor),
-        "handover_seconds": outcome.handover_seconds,
-    }
+        for good, line in outcome_lines(outcome, wait):
+            self.stdout.write(self.style.SUCCESS(line) if good else self.style.WARNING(line))

@@ -11,24 +11,29 @@ from __future__ import annotations
 import asyncio
 import json
 from argparse import ArgumentParser
+from datetime import datetime, timezone
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.config import validate_key
 from celery_nats_leader.errors import ConfigError, ElectionError
+from celery_nats_leader.nats import open_backend
+from celery_nats_leader.ops.oneshot import operator_name, run_once
+from celery_nats_leader.ops.status import StatusReport, fetch_report, read_report
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
 from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
-from django_nats_leader.operations import (
-    StatusReport,
-    fetch_report,
-    open_backend,
-    operator_name,
-    read_report,
-    run_once,
-)
 from django_nats_leader.render import status_text
+
+
+def _iso(at: datetime) -> str:
+    """``2026-11-23T13:40:01.123Z``: UTC, milliseconds."""
+    return (
+        at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.")
+        + f"{at.microsecond // 1000:03d}Z"
+    )
+
 
 #: ANSI: cursor home, clear screen (``--watch`` on a terminal).
 _CLEAR = "\x1b[H\x1b[2J"
@@ -52,7 +57,7 @@ class Command(BaseCommand):
             help="Only this role (repeatable); it must have a leader.",
         )
         parser.add_argument(
-            "--json", action="store_true", help="Print JSON (schema: README, Django section)."
+            "--json", action="store_true", help="Print JSON (schema: docs/django.md)."
         )
         parser.add_argument(
             "--watch", action="store_true", help="Refresh the view until interrupted."
@@ -106,9 +111,21 @@ class Command(BaseCommand):
                 returncode=EXIT_NO_LEADER,
             )
 
-    def _show(self, report: StatusReport, *, as_json: bool, clear: bool = False) -> None:
+    def _show(
+        self,
+        report: StatusReport,
+        *,
+        as_json: bool,
+        clear: bool = False,
+        refresh: tuple[int, datetime] | None = None,
+    ) -> None:
         if as_json:
-            self.stdout.write(json.dumps(report.to_dict(), sort_keys=True))
+            doc = report.to_dict()
+            if refresh is not None:
+                # Added fields (schema version 1 only ever gains fields).
+                doc["refresh"] = refresh[0]
+                doc["refreshed_at"] = _iso(refresh[1])
+            self.stdout.write(json.dumps(doc, sort_keys=True))
             return
         text = status_text(
             report,
@@ -116,6 +133,13 @@ class Command(BaseCommand):
             bad=self.style.ERROR,
             heading=self.style.MIGRATE_HEADING,
         )
+        if refresh is not None:
+            # One separator per refresh, so that a log or a pipe shows where each
+            # view starts and when it was read (this host's clock, display only).
+            number, at = refresh
+            text = self.style.MIGRATE_HEADING(
+                f"--- {at:%Y-%m-%d %H:%M:%S} UTC, refresh {number}"
+            ) + ("\n" + text)
         self.stdout.write((_CLEAR if clear else "") + text)
 
     def _watch(
@@ -132,8 +156,10 @@ class Command(BaseCommand):
         last: list[StatusReport] = []
 
         async def loop() -> None:
-            async with open_backend(
-                settings, timeout=options["timeout"], name=operator_name("election_status --watch")
+            async with await open_backend(
+                settings.connection,
+                timeout=options["timeout"],
+                name=operator_name("election_status --watch"),
             ) as backend:
                 shown = 0
                 while True:
@@ -149,7 +175,10 @@ class Command(BaseCommand):
                         self.stderr.write(f"cannot read the elections: {exc}")
                     else:
                         last[:] = [report]
-                        self._show(report, as_json=options["json"], clear=clear)
+                        at = datetime.now(timezone.utc)
+                        self._show(
+                            report, as_json=options["json"], clear=clear, refresh=(shown + 1, at)
+                        )
                     shown += 1
                     if count and shown >= count:
                         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from argparse import ArgumentParser
 from typing import Any
 
@@ -26,10 +27,10 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        """Run it; exit 1 when a tick ran twice, went missing, or the job stopped."""
+        """Run it; exit 1 when a tick ran twice, went missing, or the job stopped; 130 on Ctrl-C."""
         from ticks import demo
 
-        ok = demo.main(
+        status = demo.main(
             self.stdout.write,
             self.style,
             replicas=options["replicas"],
@@ -37,5 +38,7 @@ class Command(BaseCommand):
             after=options["after"],
             timeout=options["timeout"],
         )
-        if not ok:
-            raise CommandError("the demo failed (see above)", returncode=1)
+        if status == demo.EXIT_INTERRUPTED:
+            sys.exit(status)  # Ctrl-C: already said so; no "CommandError" line
+        if status:
+            raise CommandError("the demo failed (see above)", returncode=status)

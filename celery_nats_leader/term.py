@@ -1,0 +1,203 @@
+"""Reading a role's current term: the one way, from any process.
+
+A role's term is what its key in the bucket holds. Everything that must know
+it reads it here: the election validating its own token, ``status``, prefork
+children validating a token for ``@leader_only(validate=True)`` and the
+worker-side beat check (:class:`~celery_nats_leader.beat.fence.DispatchFence`).
+
+* :func:`term_of` turns a KV entry into a :class:`Term` (or ``None`` when the
+  role is free): the one decoding of an entry.
+* :meth:`Term.holds` is the one "does the store still hold this term" check.
+* :func:`read_term` reads it from an open bucket (async code).
+* :class:`TermReader` reads it from synchronous code in any process: one
+  lazily started event-loop thread and one NATS connection per process,
+  reused for the process's life (never ``asyncio.run`` per call: that would
+  reconnect every time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from celery_nats_leader.backend import Backend, Bucket, KVEntry, Operation
+from celery_nats_leader.errors import BackendTimeoutError, ElectionError, RecordFormatError
+from celery_nats_leader.loop_thread import EventLoopThread
+from celery_nats_leader.record import LeaderRecord, decode_record
+from celery_nats_leader.token import FencingToken
+
+if TYPE_CHECKING:
+    from celery_nats_leader.nats.connection import ConnectOptions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Term:
+    """What a role's key holds now.
+
+    Attributes:
+        revision: The KV revision of the entry.
+        record: The leader record, or ``None`` when the value is not a record
+            of this package (someone else's data: a term of unknown holder).
+
+    """
+
+    revision: int
+    record: LeaderRecord | None
+
+    @property
+    def epoch(self) -> int:
+        """The term's epoch; for a foreign value, its revision (a term newer than any before it)."""
+        return self.record.epoch if self.record is not None else self.revision
+
+    def holds(self, token: FencingToken, instance_id: str | None = None) -> bool:
+        """Whether this is the term of ``token`` (held by ``instance_id``, if given)."""
+        return self.record is not None and self.record.holds(token, instance_id)
+
+
+def term_of(entry: KVEntry | None) -> Term | None:
+    """The term a KV entry records, or ``None`` when the role is free.
+
+    Free means no entry, or a delete or purge marker (a released term).
+
+    Args:
+        entry: The role's latest entry, or ``None``.
+
+    Returns:
+        The term.
+
+    """
+    if entry is None or entry.operation is not Operation.PUT:
+        return None
+    try:
+        record: LeaderRecord | None = decode_record(entry.value, entry.revision)
+    except RecordFormatError:
+        record = None
+    return Term(revision=entry.revision, record=record)
+
+
+async def read_term(bucket: Bucket, role: str, *, timeout: float) -> Term | None:
+    """Read ``role``'s current term (one KV read).
+
+    Raises:
+        ElectionError: The read failed (timeout, disconnected, bucket gone).
+
+    """
+    return term_of(await bucket.get(role, timeout=timeout))
+
+
+class TermReader:
+    """Reads roles' current terms from synchronous code, in this process.
+
+    Create one per process and reuse it: the first read starts a daemon
+    event-loop thread and opens a connection, later reads cost one KV round
+    trip. After ``fork()`` the child must build its own (the thread does not
+    survive the fork): compare :attr:`pid` with :func:`os.getpid`. Safe to
+    use from several threads.
+
+    Args:
+        connection: Where and how to connect.
+        bucket: The KV bucket of the roles.
+        name: Connection and thread name (visible in the server's monitoring).
+
+    """
+
+    def __init__(
+        self, connection: ConnectOptions, bucket: str, *, name: str = "celery-nats-leader-reader"
+    ) -> None:
+        self.pid = os.getpid()
+        self.bucket_name = bucket
+        self._connection = connection
+        self._name = name
+        self._loop = EventLoopThread(name=name)
+        self._start_lock = threading.Lock()
+        self._backend: Backend | None = None
+        self._bucket: Bucket | None = None
+        self._opening: asyncio.Lock | None = None
+
+    def read(self, role: str, *, timeout: float) -> Term | None:
+        """Read ``role``'s current term.
+
+        Args:
+            role: The role (the key).
+            timeout: Seconds for connecting (first use) and for the read.
+
+        Returns:
+            The term, or ``None`` when nobody holds the role.
+
+        Raises:
+            ElectionError: The term could not be read (NATS unreachable, bucket
+                missing, no answer in time).
+
+        """
+        with self._start_lock:
+            self._loop.start()
+        try:
+            return self._loop.run(self._read(role, timeout), timeout + 1.0)
+        except (TimeoutError, RuntimeError) as exc:
+            raise BackendTimeoutError(f"could not read the term of {role!r}: {exc}") from exc
+
+    def holds(
+        self, role: str, token: FencingToken, instance_id: str | None = None, *, timeout: float
+    ) -> bool:
+        """Whether ``role``'s key holds the term of ``token``; ``False`` on any doubt.
+
+        A failed read is logged at WARNING and answers ``False``.
+        """
+        try:
+            term = self.read(role, timeout=timeout)
+        except ElectionError as exc:
+            logger.warning("could not validate the token of %r: %s", role, exc)
+            return False
+        return term is not None and term.holds(token, instance_id)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Close the connection and stop the thread; the reader may start again later."""
+        if self._loop.is_running:
+            try:
+                self._loop.run(self._close(), timeout)
+            except (TimeoutError, RuntimeError) as exc:
+                logger.debug("closing the term reader: %s", exc)
+        self._loop.stop()
+
+    async def _read(self, role: str, timeout: float) -> Term | None:
+        bucket = self._bucket
+        if bucket is None:
+            bucket = await self._open(timeout)
+        return await read_term(bucket, role, timeout=timeout)
+
+    async def _open(self, timeout: float) -> Bucket:
+        # Every coroutine of this reader runs on its one loop thread, so
+        # creating the lock here cannot race.
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._bucket is not None:
+                return self._bucket
+            # Imported here: building a reader needs no nats-py.
+            from celery_nats_leader.nats import open_backend
+
+            backend = await open_backend(self._connection, timeout=timeout, name=self._name)
+            try:
+                self._bucket = await backend.open_bucket(
+                    self.bucket_name, ttl=None, create=False, replicas=1, timeout=timeout
+                )
+            except BaseException:
+                await backend.close()
+                raise
+            self._backend = backend
+            return self._bucket
+
+    async def _close(self) -> None:
+        backend, self._backend, self._bucket = self._backend, None, None
+        self._opening = None  # bound to this loop; a restart runs a new one
+        if backend is not None:
+            await backend.close()
+
+
+__all__ = ["Term", "TermReader", "read_term", "term_of"]
