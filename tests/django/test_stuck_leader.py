@@ -24,7 +24,7 @@ from django_nats_leader.fencing import StaleLeaderError, current_epoch, fenced
 pytestmark = pytest.mark.integration
 
 #: Long enough that nothing in these tests is explained by the key's expiry.
-TTL = 10.0
+TTL = 30.0
 ROLE = "default"
 
 

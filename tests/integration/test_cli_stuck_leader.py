@@ -25,7 +25,9 @@ from tests.integration.helpers import ROLE, create_bucket
 
 pytestmark = pytest.mark.integration
 
-TTL = 10.0
+#: Long enough that the CLI runs before the fence (Celery start-up is slow on a loaded
+#: machine) end before a frozen leader's key could expire: the fence, not the TTL, acts.
+TTL = 30.0
 BUCKET = "clifence"
 CELERY = str(Path(sys.executable).with_name("celery"))
 

@@ -27,7 +27,7 @@ from tests.integration.helpers import ROLE, SLACK, KeyHistory, create_bucket, in
 pytestmark = pytest.mark.integration
 
 #: A long TTL: whatever the fence achieves, the key's expiry cannot explain it.
-FENCE_TTL = 10.0
+FENCE_TTL = 30.0
 FENCE_BUCKET = "fenced"
 #: The promise of the command: a live candidate leads this soon after it.
 PROMOTION_BOUND = 0.1
