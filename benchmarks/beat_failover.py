@@ -5,9 +5,13 @@ same lock TTL (the election TTL, redbeat's ``redbeat_lock_timeout``), the same
 loop interval (``beat_max_loop_interval``), the same entries (several
 1-second interval entries) and the same Redis broker. Measured, in one run:
 
-* **crash**: the active scheduler is SIGKILLed; time from the kill to the next
-  dispatch by another replica, and the ticks of a 1-second entry that were
-  never dispatched because of the crash;
+* **crash**: the active scheduler is SIGKILLed, at a random moment or at a
+  point inside the dispatch of a 1-second entry (stopped there by a hook,
+  then killed): *before the publish* (Celery's ``before_task_publish``: the
+  tick is decided, for celery-nats-leader committed, not sent) or *after the
+  publish* (``after_task_publish``: sent, for celery-nats-leader not yet
+  recorded). Measured: the time from the kill to the next dispatch by another
+  replica, the ticks of that entry never dispatched, and the ticks sent twice;
 * **pause mid-dispatch**: the active scheduler stops itself (SIGSTOP) inside
   the publish of a due task, the worst moment, for twice the TTL, then is
   continued; duplicate dispatches (one tick sent twice) are counted;
@@ -60,6 +64,8 @@ LOCK_TTL = 5  # seconds: election TTL = redbeat_lock_timeout (redbeat wants an i
 LOOP_INTERVAL = 1.0  # seconds: beat_max_loop_interval
 ENTRIES = 5  # 1-second interval entries (several due at once: a pause can cut a tick)
 REPLICAS = 3
+#: Where the active scheduler is killed: anywhere, or inside a dispatch.
+KILL_POINTS = ("random", "before publish", "after publish")
 
 CONFIG: dict[str, Any] = json.loads(os.environ.get("BEAT_BENCH_CONFIG", "{}"))
 
@@ -87,20 +93,32 @@ def _on_publish(sender: str | None = None, headers: dict[str, Any] | None = None
         # Stop inside the publish: the tick is decided (and, for
         # celery-nats-leader, committed) but not sent yet.
         os.kill(os.getpid(), signal.SIGSTOP)
+    entry = headers.get("nats_leader_entry") or getattr(_local, "entry", None)
+    if entry == "bench-0" and client.delete(prefix + "kill-before publish") == 1:
+        # Stopped here for the harness to SIGKILL: the send never happens,
+        # so it is not recorded as a dispatch.
+        os.kill(os.getpid(), signal.SIGSTOP)
     tick = headers.get("nats_leader_tick") or getattr(_local, "prev_run", None)
     record = {
         "pid": os.getpid(),
-        "entry": headers.get("nats_leader_entry") or getattr(_local, "entry", None),
+        "entry": entry,
         "tick": str(tick),
         "mono": time.monotonic(),
     }
     client.rpush(prefix + "dispatches", json.dumps(record))
 
 
+def _after_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """In a beat process: maybe stop right after a send, for the harness to SIGKILL."""
+    entry = (headers or {}).get("nats_leader_entry") or getattr(_local, "entry", None)
+    if entry == "bench-0" and _client().delete(CONFIG["prefix"] + "kill-after publish") == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def make_app(config: dict[str, Any]) -> Any:
     from celery import Celery
     from celery.schedules import schedule
-    from celery.signals import before_task_publish
+    from celery.signals import after_task_publish, before_task_publish
 
     app = Celery("beat_bench", set_as_current=True)
     app.conf.update(
@@ -128,6 +146,7 @@ def make_app(config: dict[str, Any]) -> Any:
         redbeat_lock_timeout=LOCK_TTL,
     )
     before_task_publish.connect(_on_publish, weak=False)
+    after_task_publish.connect(_after_publish, weak=False)
     return app
 
 
@@ -280,9 +299,16 @@ class Run:
 
     # --------------------------------------------------------- scenarios
 
-    def crash(self) -> None:
+    def crash(self, point: str = "random") -> None:
         time.sleep(2.0 + random.random())  # a random phase of the 1-second ticks
-        victim = self.active()
+        start_mono = time.monotonic()
+        if point == "random":
+            victim = self.active()
+        else:
+            self.redis.set(self.config["prefix"] + f"kill-{point}", 1)
+            victim = self.wait(
+                lambda: next((b for b in self.beats if b.paused()), None), 30, f"a stop {point}"
+            )
         killed_at = time.monotonic()
         os.kill(victim.pid, signal.SIGKILL)
         victim.proc.wait(10)
@@ -315,7 +341,17 @@ class Run:
         else:
             # redbeat has no tick identity: ticks due in the window minus sends in it.
             lost = max(0.0, (window_end - killed_at) - len(sent))
-        self.crashes.append({"failover": first["mono"] - killed_at, "lost": lost})
+        window = [d for d in self.dispatches() if start_mono <= d["mono"] <= window_end]
+        counts = Counter((d["entry"], d["tick"]) for d in window)
+        duplicates = sum(n - 1 for n in counts.values() if n > 1)
+        self.crashes.append(
+            {
+                "point": point,
+                "failover": first["mono"] - killed_at,
+                "lost": lost,
+                "duplicates": duplicates,
+            }
+        )
         self.replace(victim)
         time.sleep(2.0)
 
@@ -394,8 +430,9 @@ def measure(label: str, scheduler: str, trials: int, nats_url: str, tmp: Path) -
     run = Run(label, scheduler, config, tmp)
     try:
         run.start()
-        for _ in range(trials):
-            run.crash()
+        for point in KILL_POINTS:
+            for _ in range(trials):
+                run.crash(point)
         for _ in range(trials):
             run.pause("mid-dispatch")
         for _ in range(trials):
@@ -419,8 +456,11 @@ def report(ours: Run, theirs: Run, trials: int) -> str:
         median = statistics.median(values)
         return median, f"{median:.2f} s ({min(values):.2f}–{max(values):.2f})"
 
-    def lost(run: Run) -> float:
-        return statistics.mean(c["lost"] for c in run.crashes)
+    def lost(run: Run, point: str) -> float:
+        return statistics.mean(c["lost"] for c in run.crashes if c["point"] == point)
+
+    def resent(run: Run, point: str) -> int:
+        return sum(c["duplicates"] for c in run.crashes if c["point"] == point)
 
     def dups(run: Run, kind: str) -> int:
         return sum(p["duplicates"] for p in run.pauses[kind])
@@ -433,16 +473,21 @@ def report(ours: Run, theirs: Run, trials: int) -> str:
     f_theirs, f_theirs_text = failover(theirs)
     rows = [
         (
-            f"SIGKILL of the active scheduler → next dispatch, median (min–max) of {trials}",
+            f"SIGKILL of the active scheduler → next dispatch, median (min–max) of "
+            f"{trials * len(KILL_POINTS)}",
             f_ours_text,
             f_theirs_text,
             _ratio(f_ours, f_theirs),
         ),
-        (
-            "ticks of a 1-s entry never dispatched, per SIGKILL (mean)",
-            f"{lost(ours):.1f}",
-            f"{lost(theirs):.1f}",
-            "",
+        *(
+            (
+                f"SIGKILL {point}: ticks of the 1-s entry never dispatched, per kill (mean) / "
+                f"ticks sent twice (total of {trials})",
+                f"{lost(ours, point):.1f} / {resent(ours, point)}",
+                f"{lost(theirs, point):.1f} / {resent(theirs, point)}",
+                "",
+            )
+            for point in KILL_POINTS
         ),
         (
             f"duplicate dispatches, SIGSTOP {2 * LOCK_TTL} s inside a dispatch (total of {trials})",

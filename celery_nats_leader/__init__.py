@@ -48,6 +48,8 @@ _LAZY = {
     "leader_only": "celery_nats_leader.worker.tasks",
     "leader_service": "celery_nats_leader.worker.leader_services",
     "LeaderTask": "celery_nats_leader.worker.tasks",
+    "OnceTask": "celery_nats_leader.worker.once",
+    "run_once": "celery_nats_leader.worker.once",
     "leader_promoted": "celery_nats_leader.worker.signals",
     "leader_demoted": "celery_nats_leader.worker.signals",
     "LeaderScheduler": "celery_nats_leader.beat",

@@ -120,6 +120,19 @@ class LeaderSettings:
     """Longest a follower's beat tick sleeps before it looks again, in seconds
     (a promotion wakes it at once). Capped by ``beat_max_loop_interval``."""
 
+    once_bucket: str = ""
+    """KV bucket of the once-guard's done records (``OnceTask``, ``@run_once``);
+    empty = ``<bucket>_once``. Its leases live in ``<once_bucket>_leases``."""
+
+    once_lease: float = 30.0
+    """Seconds a guarded run's claim lives without renewal (renewed every third
+    of it while the body runs). A run whose worker died runs again after it;
+    a worker paused longer than it may see a duplicate run beside its own."""
+
+    once_retention: float = 86400.0
+    """Seconds a finished run is remembered (the done bucket's ``max_age``):
+    duplicates arriving later than this run again."""
+
     strategy: Strategy = "kv"
     """Election strategy: ``kv`` (default) or ``allcall``."""
 
@@ -159,6 +172,18 @@ class LeaderSettings:
         if not self.beat_state_bucket:
             object.__setattr__(self, "beat_state_bucket", f"{self.bucket}_beat")
         validate_bucket(self.beat_state_bucket)
+        if not self.once_bucket:
+            object.__setattr__(self, "once_bucket", f"{self.bucket}_once")
+        validate_bucket(self.once_bucket)
+        for name in ("once_lease", "once_retention"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name}={value!r} must be a positive number of seconds")
+        if self.once_retention < 2 * self.once_lease:
+            raise ConfigError(
+                f"once_retention={self.once_retention!r} must be at least twice "
+                f"once_lease={self.once_lease!r} (a duplicate waits out a lease)"
+            )
         if (
             isinstance(self.beat_max_catch_up, bool)
             or not isinstance(self.beat_max_catch_up, int)

@@ -22,6 +22,7 @@ app's ``nats_leader_*`` keys.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from django_celery_beat.schedulers import DatabaseScheduler
@@ -56,31 +57,41 @@ class LeaderDatabaseScheduler(LeaderSchedulerMixin, DatabaseScheduler):  # type:
             return LeaderSettings.from_celery(app.conf)
         return leader_settings(app.conf)
 
-    def dispatch_gate(self, entry: Any, state: EntryState) -> float | None:
-        """Apply the row's rules (enabled, start_time, expires, one_off) to a due tick.
+    def prepare_entry(self, entry: Any, state: EntryState) -> None:
+        """Give the ``ModelEntry`` its KV state before its ``is_due()`` is asked.
 
-        django-celery-beat keeps these rules in ``ModelEntry.is_due``; it is
-        asked with ``last_run_at`` at the last committed slot, for which the
-        schedule part agrees that the tick is due, so only the row's rules
-        can say no (and disable an expired or spent one-off row, as usual).
+        django-celery-beat keeps a row's rules (``enabled``, ``start_time``,
+        ``expires``, ``one_off``) in ``ModelEntry.is_due``, which reads
+        ``last_run_at`` and the row's ``total_run_count``; both come from the
+        last committed tick.
 
         Args:
             entry: The ``ModelEntry``.
             state: Its KV state.
 
-        Returns:
-            ``None`` to dispatch, else seconds before asking again.
+        """
+        super().prepare_entry(entry, state)
+        model = getattr(entry, "model", None)
+        if model is not None:
+            model.total_run_count = state.runs
 
+    def same_entry(self, old: Any, new: Any) -> bool:
+        """The same ``ModelEntry`` object: django-celery-beat builds new ones on any row change.
+
+        (``ScheduleEntry.__eq__`` ignores ``enabled``, ``start_time``, ... .)
+        """
+        return old is new
+
+    def earliest_slot(self, entry: Any) -> datetime | None:
+        """The row's ``start_time``: its schedule has no ticks before it.
+
+        django-celery-beat backdates a never-run row with a ``start_time`` by
+        30 years so that it runs at its start time; without this bound the
+        ticks of those 30 years would be caught up.
         """
         model = getattr(entry, "model", None)
-        if model is None:
-            return None
-        entry.last_run_at = state.slot.astimezone(self.app.timezone)
-        entry.total_run_count = model.total_run_count = state.runs
-        due, next_check = entry.is_due()
-        if due:
-            return None
-        return float(next_check)
+        start: datetime | None = getattr(model, "start_time", None)
+        return start
 
     def record_run(self, entry: Any, state: EntryState) -> None:
         """Mirror the dispatch into the row (saved at the next sync, by the leader only)."""

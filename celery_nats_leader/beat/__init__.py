@@ -12,17 +12,22 @@ waits a short, bounded time (a promotion wakes it at once) and looks again.
 Each dispatch, by the leader only, validates the fencing token against KV,
 commits the tick (identified by its *slot*, the time the schedule says it is
 due) with a compare-and-set, sends it with the token and the tick's identity
-in its headers (``nats_leader_*``), and reverts the commit when it could not
-be sent. Delivery is **at most once per tick**.
+in its headers (``nats_leader_*``), and records the send (or reverts the
+commit when it could not be sent). A tick committed by a scheduler that died
+before recording its send is sent again by the next one, under the same task
+id: delivery is **at least once per tick**, and execution exactly once for
+tasks using the once-guard (:class:`~celery_nats_leader.worker.once.OnceTask`).
 
 The package, one part per module:
 
 * :mod:`~celery_nats_leader.beat.scheduler`: the Celery mixin (hooks only)
   and :class:`LeaderScheduler`;
-* :mod:`~celery_nats_leader.beat.dispatcher`: validate, commit, send, revert
-  (no Celery);
+* :mod:`~celery_nats_leader.beat.dispatcher`: validate, commit, send, record
+  or revert, and re-send a pending tick (no Celery);
 * :mod:`~celery_nats_leader.beat.election`: the beat role (no Celery);
 * :mod:`~celery_nats_leader.beat.ticks`: tick identity and planning (no Celery);
+* :mod:`~celery_nats_leader.beat.agenda`: when to ask each entry again (no Celery);
+* :mod:`~celery_nats_leader.beat.metrics`: per-entry tick counters (no Celery);
 * :mod:`~celery_nats_leader.beat.state`: the entries' state in KV (no Celery);
 * :mod:`~celery_nats_leader.beat.fence`: the worker-side check of the token.
 

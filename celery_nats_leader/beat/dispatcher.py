@@ -1,4 +1,4 @@
-"""The tick dispatcher: validate the token, commit the tick in KV, send it, revert on failure.
+"""The tick dispatcher: validate the token, commit the tick in KV, send it, record the send.
 
 One :class:`TickDispatcher` per scheduler. It holds the KV state of every
 entry for the current term and dispatches one tick at a time:
@@ -7,14 +7,22 @@ entry for the current term and dispatches one tick at a time:
    on a mismatch nothing is dispatched and the election demotes;
 2. **commit** the tick to the entry's state with a compare-and-set on the
    key's revision, so two schedulers that both believe they lead cannot both
-   commit the same tick;
+   commit the same tick. The state is marked *pending*: the outbox's intent,
+   recorded before the send;
 3. **send** it (a callback: the Celery mixin publishes the message), unless
    the lease ended meanwhile;
-4. **revert** the commit when the tick was not sent, so the active scheduler
-   dispatches it later.
+4. **record the send** (the state is no longer pending), or **revert** the
+   commit when the tick was not sent, so the active scheduler dispatches it
+   later.
 
-Delivery is at most once per tick: a crash between the commit and the send
-loses that one tick (the error log line names it).
+A scheduler that finds an entry's state pending, committed by another term
+(its scheduler died between the commit and the record), sends that tick
+again before any later one (:meth:`TickDispatcher.pending_tick`): it commits
+it again under its own term (same slot, same run number, so the same
+deterministic task id) and sends it. Delivery is at least once per tick: a
+tick goes out twice only when a scheduler died after its send and before
+its record, and the worker-side once-guard
+(:class:`~celery_nats_leader.worker.once.OnceTask`) runs it once.
 
 This module imports neither Celery nor Django: the send is a callable, the
 lease anything with ``is_leader`` and ``validate_token()`` (a
@@ -97,6 +105,8 @@ class Tick:
         slot: The tick's slot (its identity).
         task: The entry's task name (stored with the state).
         skipped: Overdue ticks jumped over to reach ``slot``.
+        resend: ``slot`` is the entry's pending tick, committed by another
+            term and maybe never sent: it is committed again and sent.
 
     """
 
@@ -104,6 +114,7 @@ class Tick:
     slot: datetime
     task: str = ""
     skipped: int = 0
+    resend: bool = False
 
 
 class Outcome(enum.Enum):
@@ -121,8 +132,12 @@ class Outcome(enum.Enum):
     NOT_COMMITTED = "not_committed"
     #: Committed, not sent, and the commit was undone.
     REVERTED = "reverted"
-    #: Committed, not sent, and the commit could not be undone: the tick is lost.
-    LOST = "lost"
+    #: Committed, not sent, and the commit could not be undone: the tick stays
+    #: pending and is sent later (by this scheduler or its successor).
+    UNSENT = "unsent"
+    #: The send failed for good (the message cannot be built): the commit is
+    #: kept, so this tick is dropped and the entry goes on with its next one.
+    FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -132,7 +147,7 @@ class Dispatched:
     Attributes:
         outcome: What happened.
         state: The entry's state afterwards, as known (``None`` if unknown).
-        error: The send's exception, for ``REVERTED``/``LOST`` after a failed send.
+        error: The send's exception, for ``REVERTED``/``UNSENT`` after a failed send.
 
     """
 
@@ -150,6 +165,9 @@ class TickDispatcher:
         send_guard: A context manager factory entered around "check the lease,
             send" (the Celery mixin defers SIGTERM there, so a graceful stop
             cannot fall between the commit and the send).
+        is_permanent: Whether a send's exception will recur on every attempt
+            (a message that cannot be serialized): such a tick is not handed
+            back, since retrying it would only fail again.
 
     """
 
@@ -159,12 +177,17 @@ class TickDispatcher:
         instance_id: str,
         *,
         send_guard: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+        is_permanent: Callable[[BaseException], bool] = lambda exc: False,
     ) -> None:
         self.store = store
         self.instance_id = instance_id
         self.send_guard = send_guard
+        self.is_permanent = is_permanent
         self.states: dict[str, EntryState] = {}
         self.term: FencingToken | None = None
+        # Entry name -> commit id of the pending state whose tick this
+        # dispatcher sent itself (known sent, even if the record failed).
+        self.sent: dict[str, str] = {}
 
     # ------------------------------------------------------------ term
 
@@ -253,6 +276,19 @@ class TickDispatcher:
             logger.warning("nats-leader beat: could not read the state of %r: %s", name, exc)
             return None
 
+    def pending_tick(self, name: str) -> Tick | None:
+        """The tick to send again before any other of entry ``name``, if any.
+
+        Returns:
+            A ``resend`` tick when the entry's state is pending and this
+            dispatcher did not send it itself; ``None`` otherwise.
+
+        """
+        state = self.states.get(name)
+        if state is None or not state.pending or self.sent.get(name) == state.commit:
+            return None
+        return Tick(name, state.slot, task=state.task, resend=True)
+
     # --------------------------------------------------------- dispatch
 
     def dispatch(
@@ -295,11 +331,27 @@ class TickDispatcher:
                 token.epoch,
             )
             return Dispatched(Outcome.NOT_LEADING, state)
-        # 2. Commit: compare-and-set on the entry's revision.
-        new = dataclasses.replace(
-            state.advanced(tick.slot, epoch=token.epoch, by=self.instance_id, skipped=tick.skipped),
-            task=tick.task or state.task,
-        )
+        # 2. Commit: compare-and-set on the entry's revision, marked pending.
+        if tick.resend:
+            new = dataclasses.replace(
+                state, epoch=token.epoch, by=self.instance_id, commit=uuid.uuid4().hex[:12]
+            )
+            logger.warning(
+                "nats-leader beat: tick %s of %r was committed by %s (epoch %d) and maybe never "
+                "sent; sending it again under the same task id",
+                slot_text(state.slot),
+                tick.name,
+                state.by,
+                state.epoch,
+            )
+        else:
+            new = dataclasses.replace(
+                state.advanced(
+                    tick.slot, epoch=token.epoch, by=self.instance_id, skipped=tick.skipped
+                ),
+                task=tick.task or state.task,
+                pending=True,
+            )
         committed = self._commit(lease, token, state, new)
         if isinstance(committed, Dispatched):
             return committed
@@ -310,6 +362,21 @@ class TickDispatcher:
             try:
                 send(committed)
             except Exception as exc:
+                if self.is_permanent(exc):
+                    # As Celery: log it and go on; the tick is consumed. It is
+                    # recorded as no longer pending: sending it again (the
+                    # outbox) would only fail again.
+                    self.sent[tick.name] = committed.commit
+                    committed = self._record_sent(committed)
+                    self.states[tick.name] = committed
+                    logger.error(
+                        "nats-leader beat: sending %r (tick %s) failed and would fail again: "
+                        "%r; tick dropped, the entry goes on with its next tick",
+                        tick.name,
+                        slot_text(committed.slot),
+                        exc,
+                    )
+                    return Dispatched(Outcome.FAILED, committed, exc)
                 logger.error(
                     "nats-leader beat: sending %r (tick %s) failed: %r",
                     tick.name,
@@ -318,8 +385,31 @@ class TickDispatcher:
                     exc_info=True,
                 )
                 return self._revert(committed, state, token, "the send failed", exc)
+        # 4. Record the send: the outbox's completion.
+        self.sent[tick.name] = committed.commit
+        committed = self._record_sent(committed)
         self.states[tick.name] = committed
         return Dispatched(Outcome.SENT, committed)
+
+    def _record_sent(self, committed: EntryState) -> EntryState:
+        """Mark a sent tick's state as sent (one write); on failure it stays pending.
+
+        This dispatcher never sends a pending state it sent itself again
+        (:attr:`sent`); the entry's next commit replaces it. Only another
+        scheduler finding it pending sends it again, which the worker-side
+        once-guard makes harmless.
+        """
+        try:
+            return self.store.update(committed.sent(), last=committed.revision)
+        except ElectionError as exc:
+            logger.warning(
+                "nats-leader beat: tick %s of %r was sent but the send could not be recorded "
+                "(%s); another scheduler may send it again (same task id)",
+                slot_text(committed.slot),
+                committed.entry,
+                exc,
+            )
+            return committed
 
     def _commit(
         self, lease: Lease, token: FencingToken, state: EntryState, new: EntryState
@@ -373,8 +463,8 @@ class TickDispatcher:
             self.states.pop(new.entry, None)
             logger.error(
                 "nats-leader beat: the commit of tick %s of %r timed out and the state cannot "
-                "be read; not sending it (at most once). If the commit was stored, this tick "
-                "is lost.",
+                "be read; not sending it now. If the commit was stored, the tick is pending and "
+                "is sent when the state is read again.",
                 slot_text(new.slot),
                 new.entry,
             )
@@ -400,13 +490,14 @@ class TickDispatcher:
             self.states.pop(committed.entry, None)
             logger.error(
                 "nats-leader beat: tick %s of %r was committed but not sent (%s) and the commit "
-                "could not be undone (%s): this tick is lost (at most once)",
+                "could not be undone (%s): it stays pending and is sent when the state is read "
+                "again",
                 slot_text(committed.slot),
                 committed.entry,
                 why,
                 exc,
             )
-            return Dispatched(Outcome.LOST, None, error)
+            return Dispatched(Outcome.UNSENT, None, error)
         self.states[committed.entry] = reverted
         logger.warning(
             "nats-leader beat: tick %s of %r not sent (%s); commit undone, the tick is "

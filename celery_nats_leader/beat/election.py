@@ -22,12 +22,21 @@ from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 
-__all__ = ["BeatElection", "describe_leader"]
+__all__ = ["SCHEDULER_META_KEY", "BeatElection", "describe_leader", "is_scheduler"]
 
 logger = logging.getLogger(__name__)
 
 #: How often a scheduler that cannot lead says why, in seconds.
 WARNING_INTERVAL = 30.0
+
+
+#: The key of a leader record's ``meta`` that only beat schedulers write.
+SCHEDULER_META_KEY = "scheduler"
+
+
+def is_scheduler(record: LeaderRecord) -> bool:
+    """Whether the holder of a beat role's record is a beat scheduler (by its meta)."""
+    return SCHEDULER_META_KEY in record.meta
 
 
 def describe_leader(record: LeaderRecord | None) -> str:
@@ -61,7 +70,9 @@ class BeatElection:
         self.handle: RoleHandle | None = None
         self.store: ScheduleStateStore | None = None
         self._wake = threading.Event()
+        self._started_at = 0.0
         self._next_warning = 0.0
+        self._next_leader_warning = 0.0
         self._connected_since: float | None = None
 
     @property
@@ -115,13 +126,10 @@ class BeatElection:
             logger.critical("nats-leader beat: cannot start: %s", exc)
             elector.stop()
             raise
-        if not elector.connected:
-            logger.warning(
-                "nats-leader beat: NATS (%s) not reachable yet; this scheduler dispatches "
-                "nothing until it is connected and leads role %r",
-                ", ".join(settings.servers),
-                config.role,
-            )
+        # Without ``required`` the connection completes in the background:
+        # the elector warns about every attempt that actually fails, and
+        # :meth:`follow` once the connection is overdue (start_timeout).
+        self._started_at = time.monotonic()
 
     def stop(self) -> None:
         """Leave the election; a leader releases the role (its successor wins at once)."""
@@ -174,19 +182,35 @@ class BeatElection:
                     f"the election for role {handle.role!r} could not start (see the error "
                     "logged above); this scheduler would never dispatch"
                 )
-        if now < self._next_warning:
-            return
-        self._next_warning = now + WARNING_INTERVAL
         if not elector.connected:
-            logger.warning(
-                "nats-leader beat: still not connected to NATS (%s); dispatching nothing",
-                ", ".join(self.settings.servers),
-            )
-        else:
-            logger.debug(
-                "nats-leader beat: following; the active scheduler is %s",
-                describe_leader(handle.leader),
-            )
+            overdue = now - self._started_at > self.settings.start_timeout
+            if overdue and now >= self._next_warning:
+                self._next_warning = now + WARNING_INTERVAL
+                logger.warning(
+                    "nats-leader beat: still not connected to NATS (%s) after %gs; "
+                    "dispatching nothing",
+                    ", ".join(self.settings.servers),
+                    now - self._started_at,
+                )
+            return
+        leader = handle.leader
+        if leader is not None and not is_scheduler(leader):
+            if now >= self._next_leader_warning:
+                self._next_leader_warning = now + WARNING_INTERVAL
+                logger.error(
+                    "nats-leader beat: role %r is held by %s, which is not a beat scheduler "
+                    "(meta %s); no beat replica dispatches while it holds the role. Remove %r "
+                    "from that process's nats_leader_roles, or give beat another "
+                    "nats_leader_beat_role",
+                    handle.role,
+                    describe_leader(leader),
+                    dict(leader.meta),
+                    handle.role,
+                )
+            return
+        logger.debug(
+            "nats-leader beat: following; the active scheduler is %s", describe_leader(leader)
+        )
 
     def _promoted(self, token: FencingToken) -> None:
         logger.info(

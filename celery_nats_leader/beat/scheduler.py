@@ -17,17 +17,20 @@ import logging
 import signal
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from celery.beat import PersistentScheduler
+from celery.schedules import crontab
+from celery.schedules import schedule as celery_schedule
+from kombu.exceptions import OperationalError, SerializationError
 
+from celery_nats_leader.beat.agenda import Agenda
 from celery_nats_leader.beat.dispatcher import Outcome, Tick, TickDispatcher
-from celery_nats_leader.beat.election import BeatElection
+from celery_nats_leader.beat.election import SCHEDULER_META_KEY, BeatElection
 from celery_nats_leader.beat.fence import (
     DISPATCHER_HEADER,
     ENTRY_HEADER,
@@ -36,6 +39,7 @@ from celery_nats_leader.beat.fence import (
     TICK_HEADER,
     TOKEN_HEADER,
 )
+from celery_nats_leader.beat.metrics import TickMetrics
 from celery_nats_leader.beat.state import EntryState
 from celery_nats_leader.beat.ticks import TickPlan, TickPlanner, slot_text, tick_task_id, to_utc
 from celery_nats_leader.config import ElectionConfig
@@ -43,6 +47,7 @@ from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import (
     BucketConfigError,
     BucketNotFoundError,
+    ConfigError,
     ElectionError,
     PermissionDeniedError,
 )
@@ -52,6 +57,8 @@ from celery_nats_leader.token import FencingToken
 if TYPE_CHECKING:
     # Celery is untyped: type-check the mixin as a Scheduler (``Any``).
     from celery.beat import Scheduler as _SchedulerBase
+
+    from celery_nats_leader.prometheus import PrometheusObserver
 else:
     _SchedulerBase = object
 
@@ -123,15 +130,19 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
     display only. Configuration comes from the app's ``nats_leader_*``
     settings (see :class:`~celery_nats_leader.settings.LeaderSettings`).
 
-    The mixin only adapts Celery's hooks; the work is done by parts composed
-    in: :class:`~celery_nats_leader.beat.election.BeatElection` (the role),
-    :class:`~celery_nats_leader.beat.ticks.TickPlanner` (which tick is due)
-    and :class:`~celery_nats_leader.beat.dispatcher.TickDispatcher`
+    As Celery's scheduler, it asks each entry's ``is_due()`` whether it is
+    due and when to ask again. The mixin only adapts Celery's hooks; the work
+    is done by parts composed in, none of which imports Celery:
+    :class:`~celery_nats_leader.beat.election.BeatElection` (the role),
+    :class:`~celery_nats_leader.beat.agenda.Agenda` (when to ask each entry
+    again), :class:`~celery_nats_leader.beat.ticks.TickPlanner` (a due tick's
+    slot, catch-up) and :class:`~celery_nats_leader.beat.dispatcher.TickDispatcher`
     (validate, commit, send, revert).
 
-    Override :meth:`dispatch_gate` for entry-level rules (enabled flags, start
-    dates) and :meth:`record_run` to mirror a dispatch into the wrapped
-    scheduler's storage.
+    Hooks for subclasses: :meth:`prepare_entry`, :meth:`earliest_slot`,
+    :meth:`same_entry`, :meth:`catches_up`, :meth:`dispatch_gate` and
+    :meth:`record_run` (the Django scheduler overrides the first three and the
+    last).
     """
 
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
@@ -143,12 +154,25 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         self.nats_leader_election = BeatElection(
             settings, self._election_config(settings), self.make_elector
         )
-        self.nats_leader_planner = TickPlanner(settings.beat_max_catch_up)
+        self.nats_leader_planner = TickPlanner(settings.beat_max_catch_up, interval_of)
         self.nats_leader_dispatcher: TickDispatcher | None = None
+        #: Tick counters by entry and outcome (served with ``nats_leader_metrics_port``).
+        self.nats_leader_metrics = TickMetrics(settings.beat_role, settings.instance_id)
+        #: The election metrics (``None`` unless ``nats_leader_metrics_port`` is set).
+        self.nats_leader_observer: PrometheusObserver | None = None
+        #: The port the metrics are served on, once served.
+        self.nats_leader_metrics_port: int | None = None
+        if settings.metrics_port is not None:
+            # Imported only when asked for: prometheus-client is an optional extra.
+            from celery_nats_leader.prometheus import PrometheusObserver
+
+            self.nats_leader_observer = PrometheusObserver()
+            self.nats_leader_metrics.export_to(self.nats_leader_observer.registry)
         self._closed = False
         self._unsynced = 0
         self._sending = False
-        self._broken: dict[str, float] = {}
+        #: When to ask each entry again (holds and backoffs).
+        self.nats_leader_agenda = Agenda(self.same_entry)
         super().__init__(app, *args, **kwargs)
 
     # ------------------------------------------------------------ queries
@@ -205,7 +229,52 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             settings.servers,
             connect_options=settings.connect_options,
             name=f"celery-nats-leader beat {self.instance_id}",
+            observer=self.nats_leader_observer,
         )
+
+    def prepare_entry(self, entry: Any, state: EntryState) -> None:
+        """Give the entry its KV state before Celery's ``is_due(entry)`` is asked.
+
+        ``entry.is_due()`` reads ``last_run_at`` (and django-celery-beat's
+        ``total_run_count`` for one-off rows): they are set from the last
+        committed tick, so the answer is the one Celery's scheduler would give
+        with the shared state. Called on the leader only.
+
+        Args:
+            entry: The schedule entry.
+            state: Its KV state.
+
+        """
+        entry.last_run_at = state.slot.astimezone(self.app.timezone)
+        entry.total_run_count = state.runs
+
+    def same_entry(self, old: Any, new: Any) -> bool:
+        """Whether ``new`` is ``old`` unedited (so its last ``is_due()`` answer still holds).
+
+        Celery's scheduler compares entries the same way to notice an edited
+        schedule (``schedules_equal``); the shelve of ``PersistentScheduler``
+        hands out new objects after each sync.
+        """
+        return old is new or bool(old == new)
+
+    def catches_up(self, schedule: Any) -> bool:
+        """Whether missed ticks of ``schedule`` are caught up (``beat_max_catch_up``).
+
+        Only for schedules whose ``is_due()`` is Celery's own (interval,
+        crontab, solar): a schedule that overrides ``is_due()`` (business days,
+        holidays) refuses ticks on purpose, and those must not be dispatched
+        later as "missed"; after a gap it gets one tick, as with Celery.
+        """
+        module = getattr(type(schedule).is_due, "__module__", "")
+        return module in STANDARD_IS_DUE_MODULES
+
+    def earliest_slot(self, entry: Any) -> datetime | None:
+        """The time before which the entry has no ticks (``None``: no such bound).
+
+        The Django scheduler returns the row's ``start_time``: the ticks its
+        schedule had before are neither dispatched nor caught up.
+        """
+        return None
 
     def dispatch_gate(self, entry: Any, state: EntryState) -> float | None:
         """Entry-level rules checked before a due tick is dispatched.
@@ -250,12 +319,16 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
 
         """
         super().setup_schedule()
+        self._serve_metrics()
         election = self.nats_leader_election
         election.start()
         if self.nats_leader_dispatcher is None:
             assert election.store is not None
             self.nats_leader_dispatcher = TickDispatcher(
-                election.store, self.instance_id, send_guard=_signals_deferred
+                election.store,
+                self.instance_id,
+                send_guard=_signals_deferred,
+                is_permanent=is_permanent_send_error,
             )
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -320,6 +393,8 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         finally:
             if first:
                 self.nats_leader_election.stop()
+                if self.nats_leader_observer is not None:
+                    self.nats_leader_observer.close()
 
     @property
     def info(self) -> str:
@@ -342,16 +417,31 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         meta = {
             **config.meta,
             "worker": _beat_nodename(),
-            "scheduler": f"{cls.__module__}.{cls.__qualname__}",
+            # What tells a beat replica that the role's holder is a scheduler.
+            SCHEDULER_META_KEY: f"{cls.__module__}.{cls.__qualname__}",
         }
         return dataclasses.replace(config, meta=meta)
+
+    def _serve_metrics(self) -> None:
+        observer, settings = self.nats_leader_observer, self.nats_leader_settings
+        if observer is None or settings.metrics_port is None or self.nats_leader_metrics_port:
+            return
+        port = int(settings.metrics_port)
+        try:
+            self.nats_leader_metrics_port = observer.serve(port, settings.metrics_address)
+        except OSError as exc:
+            raise ConfigError(
+                f"nats_leader_metrics_port={port}: cannot serve metrics on "
+                f"{settings.metrics_address}:{port} ({exc}); pick a free port or unset it"
+            ) from exc
 
     def _retry_delay(self) -> float:
         return self.nats_leader_election.retry_delay(float(self.max_interval))
 
     def _lead(self, handle: RoleHandle, token: FencingToken, dispatcher: TickDispatcher) -> float:
         """A leader's pass: dispatch the oldest due tick, or say when to look again."""
-        wake = float(self.max_interval)
+        max_interval = float(self.max_interval)
+        wake = max_interval
         best: _Due | None = None
         for name, entry in list(self.schedule.items()):
             state = dispatcher.states.get(name)
@@ -360,48 +450,98 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
                 if state is None:
                     wake = min(wake, self._retry_delay())
                     continue
-            plan = self._plan(name, entry, state)
-            if plan is None:
+            resend = dispatcher.pending_tick(name)
+            if resend is not None:
+                # The outbox: committed by another term, maybe never sent.
+                # Sent again before any later tick of the entry (no gate: it
+                # was admitted when it was committed).
+                again = _Due(resend.slot, name, entry, state, 0)
+                return self._dispatch(handle, token, dispatcher, again, resend=True)
+            # As Celery's heap: times on the entry's own clock (its schedule's now).
+            now = _timestamp(entry.default_now())
+            held = self.nats_leader_agenda.held_for(name, entry, state.revision, now)
+            if held is not None:
+                wake = min(wake, held)
                 continue
-            if not plan.due or plan.slot is None:
-                wake = min(wake, plan.wait)
+            due = self._due(name, entry, state, now)
+            if not isinstance(due, _Due):
+                wake = min(wake, due)
                 continue
-            if best is not None and plan.slot >= best.slot:
+            if best is not None and due.slot >= best.slot:
                 continue
             gate = self.dispatch_gate(entry, state)
             if gate is not None:
                 wake = min(wake, max(gate, 0.0))
                 continue
-            best = _Due(plan.slot, name, entry, state, plan)
+            best = due
         if best is None:
-            return max(0.0, min(wake, float(self.max_interval)))
+            return max(0.0, min(wake, max_interval))
         return self._dispatch(handle, token, dispatcher, best)
 
-    def _plan(self, name: str, entry: Any, state: EntryState) -> TickPlan | None:
-        """The entry's next tick; ``None`` while its schedule cannot be calculated."""
-        now_mono = time.monotonic()
-        if self._broken.get(name, 0.0) > now_mono:
-            return None
+    def _due(self, name: str, entry: Any, state: EntryState, now_ts: float) -> _Due | float:
+        """The entry's due tick, or seconds before asking its schedule again.
+
+        As Celery, the entry's ``is_due()`` decides *whether* it is due and
+        when to ask again; the planner gives a due tick its identity (its
+        slot) and applies the catch-up rules.
+        """
+        max_interval = float(self.max_interval)
+        self.prepare_entry(entry, state)
         try:
-            now = entry.default_now()
-            try:
-                return self.nats_leader_planner.plan(name, entry.schedule, state.slot, now)
-            except NotImplementedError:
-                # A custom schedule with is_due() only: its ticks have no
-                # slots; one is identified by the time it was found due (the
-                # compare-and-set still commits it once).
-                due, next_check = entry.schedule.is_due(state.slot.astimezone(self.app.timezone))
-                if due:
-                    return TickPlan(to_utc(now), True, 0.0)
-                return TickPlan(None, False, float(next_check))
+            due, next_check = self.is_due(entry)
         except Exception:
             # As Celery: one entry that cannot be calculated must not stop the others.
-            self._broken[name] = now_mono + float(self.max_interval)
             logger.exception(
                 "nats-leader beat: cannot calculate the next run of %r; trying again in %gs",
                 name,
-                self.max_interval,
+                max_interval,
             )
+            due, next_check = False, max_interval
+        if not due:
+            wait = float(next_check) if is_numeric(next_check) else max_interval
+            wait = min(max(wait, 0.0), max_interval)
+            self.nats_leader_agenda.hold(name, entry, state.revision, now_ts + wait)
+            return wait
+        self.nats_leader_agenda.release(name)
+        try:
+            now = entry.default_now()
+            plan = self._plan(name, entry, state, now)
+        except Exception:
+            logger.exception(
+                "nats-leader beat: cannot calculate the slot of %r's due tick; trying again in %gs",
+                name,
+                max_interval,
+            )
+            self.nats_leader_agenda.hold(name, entry, state.revision, now_ts + max_interval)
+            return max_interval
+        if plan is not None and plan.due and plan.slot is not None:
+            return _Due(plan.slot, name, entry, state, plan.skipped)
+        # Due by is_due() although no slot of the schedule is (a custom
+        # is_due(), a clocked time before the entry's anchor): the tick is
+        # identified by the time it was found due, as Celery's last_run_at.
+        slot = to_utc(now)
+        if slot <= state.slot:
+            slot = state.slot + _ONE_MICROSECOND
+        return _Due(slot, name, entry, state, 0)
+
+    def _plan(self, name: str, entry: Any, state: EntryState, now: datetime) -> TickPlan | None:
+        """The planner's view of a due entry (``None``: its schedule has no slots)."""
+        schedule = entry.schedule
+        not_before = self.earliest_slot(entry)
+        deadline = self.app.conf.beat_cron_starting_deadline
+        if deadline is not None and isinstance(schedule, crontab):
+            # As Celery: a cron slot older than the deadline is not run.
+            cutoff = to_utc(now) - timedelta(seconds=float(deadline))
+            not_before = cutoff if not_before is None else max(to_utc(not_before), cutoff)
+        # A schedule with its own is_due() decides which ticks exist: the
+        # ticks it refused are not caught up later (Celery's behaviour).
+        limit = None if self.catches_up(schedule) else 0
+        try:
+            return self.nats_leader_planner.plan(
+                name, schedule, state.slot, now, not_before=not_before, max_catch_up=limit
+            )
+        except NotImplementedError:
+            # A custom schedule with is_due() only: its ticks have no slots.
             return None
 
     def _adopt(
@@ -425,35 +565,63 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         )
 
     def _dispatch(
-        self, handle: RoleHandle, token: FencingToken, dispatcher: TickDispatcher, due: _Due
+        self,
+        handle: RoleHandle,
+        token: FencingToken,
+        dispatcher: TickDispatcher,
+        due: _Due,
+        *,
+        resend: bool = False,
     ) -> float:
         """Hand one due tick to the dispatcher. Returns the delay before the next pass."""
         # Connect to the broker before committing: a tick must not wait for
         # a broker connection between its commit and its send.
         producer = self.producer
-        tick = Tick(due.name, due.slot, task=str(due.entry.task), skipped=due.plan.skipped)
+        name, entry = due.name, due.entry
+        tick = Tick(name, due.slot, task=str(entry.task), skipped=due.skipped, resend=resend)
         result = dispatcher.dispatch(
-            handle, token, tick, lambda committed: self._send(due.entry, committed, token, producer)
+            handle, token, tick, lambda committed: self._send(entry, committed, token, producer)
         )
-        outcome = result.outcome
+        outcome, metrics = result.outcome, self.nats_leader_metrics
+        if result.error is not None:
+            metrics.add(name, "send_failed")
+        if outcome in (Outcome.REVERTED, Outcome.UNSENT):
+            # Both are sent later: undone, or left pending for the outbox.
+            metrics.add(name, "reverted")
+        elif outcome is Outcome.FAILED:
+            metrics.add(name, "lost")
+        if outcome is Outcome.REVERTED and result.error is not None:
+            # A failed send: this entry backs off, the others go on.
+            self.nats_leader_agenda.back_off(
+                name,
+                _timestamp(entry.default_now()),
+                first=self._retry_delay(),
+                cap=float(self.max_interval),
+            )
+            return 0.0
         if outcome in (Outcome.UNCONFIRMED, Outcome.NOT_COMMITTED, Outcome.REVERTED):
-            return 0.0 if not handle.is_leader else self._retry_delay()
+            return self._retry_delay() if handle.is_leader else 0.0
         if outcome is Outcome.CONFLICT and result.state is None:
             return self._retry_delay()
-        if outcome is not Outcome.SENT:
+        if outcome not in (Outcome.SENT, Outcome.FAILED):
             return 0.0
+        self.nats_leader_agenda.succeeded(name)
         committed = result.state
         assert committed is not None
-        if due.plan.skipped:
+        if outcome is Outcome.SENT:
+            metrics.add(name, "resent" if resend else "dispatched")
+        metrics.add(name, "skipped", due.skipped)
+        if due.skipped:
             logger.warning(
-                "nats-leader beat: %r had %d overdue ticks (more than beat_max_catch_up=%d): "
-                "skipped all but the latest, %s",
-                due.name,
-                due.plan.skipped + 1,
-                self.nats_leader_settings.beat_max_catch_up,
+                "nats-leader beat: %r had %s%d overdue ticks: skipped all but the latest, %s "
+                "(beat_max_catch_up=%d)",
+                name,
+                "" if self.nats_leader_planner.interval_of(entry.schedule) else "at least ",
+                due.skipped + 1,
                 slot_text(committed.slot),
+                self.nats_leader_settings.beat_max_catch_up,
             )
-        self.record_run(due.entry, committed)
+        self.record_run(entry, committed)
         if self.should_sync():
             self._do_sync()
         return 0.0
@@ -506,7 +674,57 @@ class _Due:
     name: str
     entry: Any
     state: EntryState
-    plan: TickPlan
+    skipped: int
+
+
+_ONE_MICROSECOND = timedelta(microseconds=1)
+
+#: Modules whose schedules' ``is_due()`` is plain "is a slot due" (see ``catches_up``).
+STANDARD_IS_DUE_MODULES = frozenset({"celery.schedules", "django_celery_beat.tzcrontab"})
+
+
+def _timestamp(moment: datetime) -> float:
+    return to_utc(moment).timestamp()
+
+
+def is_numeric(value: object) -> bool:
+    """Whether ``value`` is a number of seconds (Celery's schedules may return ``None``)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def interval_of(schedule: Any) -> timedelta | None:
+    """The period of a schedule whose slots are ``anchor + k * period``, else ``None``.
+
+    That is Celery's plain ``schedule`` (and django-celery-beat's interval
+    rows), not relative and with Celery's own ``remaining_estimate``; a
+    subclass that computes its remaining time otherwise is planned by jumping.
+    """
+    if not isinstance(schedule, celery_schedule) or schedule.relative:
+        return None
+    if type(schedule).remaining_estimate is not celery_schedule.remaining_estimate:
+        return None
+    period = schedule.run_every
+    return period if isinstance(period, timedelta) else None
+
+
+def is_permanent_send_error(exc: BaseException) -> bool:
+    """Whether a send failed in a way that every retry would repeat.
+
+    Celery wraps the cause in ``SchedulingError``; a message that cannot be
+    serialized (kombu's ``EncodeError``, a ``TypeError`` or ``ValueError``
+    from the encoder) fails the same way every time, while a broker or
+    network error (``OSError``, kombu's ``OperationalError``) may pass later.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (OSError, OperationalError)):
+            return False
+        if isinstance(current, (SerializationError, TypeError, ValueError)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class LeaderScheduler(LeaderSchedulerMixin, PersistentScheduler):  # type: ignore[misc]

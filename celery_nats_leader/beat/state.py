@@ -9,7 +9,9 @@ has one key, ``<role>.<readable name>.<hash of the name>``, whose value is::
      "commit": "5f0c9e2a41d7", "task": "proj.tasks.send_report"}
 
 ``slot`` is the last tick dispatched (before the first run: the anchor the
-schedule counts from), ``runs`` the number of ticks dispatched, ``epoch`` and
+schedule counts from); ``"pending": true`` marks it committed but not yet
+known to be sent (the outbox: a successor that finds it sends it again under
+the same task id), ``runs`` the number of ticks dispatched, ``epoch`` and
 ``by`` the term and the instance that wrote it, ``commit`` a random id of the
 write (to recognize our own write after a timeout). Only the leader writes,
 always with a compare-and-set on the key's revision.
@@ -86,6 +88,7 @@ class EntryState:
         by: Instance id of the writer.
         commit: Random id of this write.
         task: The entry's task name (informational).
+        pending: ``slot`` is committed but its send was not recorded yet.
         revision: KV revision this state was read or written at (not stored).
 
     """
@@ -98,6 +101,7 @@ class EntryState:
     by: str = ""
     commit: str = ""
     task: str = ""
+    pending: bool = False
     revision: int = 0
 
     def advanced(self, slot: datetime, *, epoch: int, by: str, skipped: int = 0) -> EntryState:
@@ -124,6 +128,15 @@ class EntryState:
             revision=0,
         )
 
+    def sent(self) -> EntryState:
+        """The state after the send of its tick was recorded (not pending).
+
+        Returns:
+            A new state (revision 0 until written).
+
+        """
+        return replace(self, pending=False, commit=uuid.uuid4().hex[:12], revision=0)
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict (what status commands print)."""
         return {
@@ -134,6 +147,7 @@ class EntryState:
             "epoch": self.epoch,
             "by": self.by,
             "task": self.task,
+            "pending": self.pending,
             "revision": self.revision,
         }
 
@@ -156,6 +170,9 @@ def encode_state(state: EntryState) -> bytes:
         "commit": state.commit,
         "task": state.task,
     }
+    if state.pending:
+        # Written only when set: states of earlier versions read as sent.
+        body["pending"] = True
     return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
 
@@ -190,6 +207,7 @@ def decode_state(value: bytes, revision: int) -> EntryState:
             by=str(body.get("by", "")),
             commit=str(body.get("commit", "")),
             task=str(body.get("task", "")),
+            pending=body.get("pending") is True,
             revision=revision,
         )
     except (KeyError, TypeError, ValueError) as exc:

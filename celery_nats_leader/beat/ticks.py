@@ -17,6 +17,10 @@ skew can shift when a tick fires but cannot make the same tick fire twice
 (the KV commit is keyed by slot) or skip one (the next slot is always the one
 after the last committed slot, however late).
 
+*Whether* an entry is due is its ``is_due()``'s answer (the Celery mixin asks
+it); :class:`TickPlanner` then names the due tick and applies catch-up, in a
+bounded number of ``remaining_estimate()`` calls whatever the gap.
+
 This module imports neither Celery nor Django: schedules are used through
 ``now()``, ``nowfun`` and ``remaining_estimate()`` only.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -42,12 +47,10 @@ __all__ = [
 
 UTC = timezone.utc
 
-#: Most slots scanned to find the latest overdue one when coalescing; beyond
-#: this the scheduler coalesces in several steps (each one committed).
-MAX_SCAN = 100_000
-
-#: Cached "next slot" links kept per planner before the cache is reset.
-_CACHE_LIMIT = 20_000
+#: The resolution of the search for the latest overdue slot of a schedule
+#: whose slots are not evenly spaced (crontab, solar): slots are stored with
+#: microseconds.
+_RESOLUTION = timedelta(microseconds=1)
 
 
 def to_utc(moment: datetime) -> datetime:
@@ -121,7 +124,7 @@ class TickPlan:
 
 
 class TickPlanner:
-    """Plans the next tick of each entry from its last committed slot.
+    """Plans the next tick of each entry from its last committed slot, in O(1) slots.
 
     After a gap (a failover, every replica down) several ticks of an entry may
     be overdue. Up to ``max_catch_up`` missed ticks are dispatched one by one,
@@ -130,74 +133,127 @@ class TickPlanner:
     downtime). The count is of slots, so it is the same on every replica up to
     the skew of their clocks.
 
+    Whatever the gap, a plan costs a bounded number of ``remaining_estimate()``
+    calls: an interval schedule's latest overdue slot is computed
+    arithmetically (``last + k * run_every``), any other schedule's by
+    jumping (at most ``max_catch_up + 2`` steps, then a binary search on the
+    time axis), never by walking slot after slot.
+
     Args:
         max_catch_up: Missed ticks dispatched one by one (``0`` = coalesce).
-        max_scan: Most slots scanned when coalescing.
+        interval_of: The period of a schedule whose slots are
+            ``anchor + k * period`` (Celery's plain ``schedule``), else
+            ``None``. The Celery side knows which schedules those are; this
+            module imports no Celery.
 
     """
 
-    def __init__(self, max_catch_up: int, max_scan: int = MAX_SCAN) -> None:
+    def __init__(
+        self,
+        max_catch_up: int,
+        interval_of: Callable[[Any], timedelta | None] = lambda schedule: None,
+    ) -> None:
         self.max_catch_up = max_catch_up
-        self.max_scan = max_scan
-        # (entry, id(schedule), after) -> (schedule, next slot). The schedule
-        # is kept so that its id cannot be reused by another object.
-        self._links: dict[tuple[str, int, datetime], tuple[Any, datetime | None]] = {}
+        self.interval_of = interval_of
 
-    def forget(self) -> None:
-        """Drop every cached slot (for example when a new term begins)."""
-        self._links.clear()
-
-    def next_slot(
-        self, name: str, schedule: Any, after: datetime, now: datetime
-    ) -> datetime | None:
-        """:func:`next_slot`, cached per entry and schedule object."""
-        key = (name, id(schedule), after)
-        cached = self._links.get(key)
-        if cached is not None and cached[0] is schedule:
-            return cached[1]
-        slot = next_slot(schedule, after, now)
-        if len(self._links) >= _CACHE_LIMIT:
-            self._links.clear()
-        self._links[key] = (schedule, slot)
-        return slot
-
-    def plan(self, name: str, schedule: Any, last: datetime, now: datetime) -> TickPlan:
+    def plan(
+        self,
+        name: str,
+        schedule: Any,
+        last: datetime,
+        now: datetime,
+        *,
+        not_before: datetime | None = None,
+        max_catch_up: int | None = None,
+    ) -> TickPlan:
         """The next tick of entry ``name`` whose last committed slot is ``last``.
 
         Args:
-            name: The entry's name (cache key).
+            name: The entry's name (for log lines).
             schedule: Its schedule.
             last: Its last committed slot (or its anchor).
             now: The current time as the schedule sees it.
+            not_before: Slots before this time do not exist (a start time, a
+                starting deadline): they are neither dispatched nor counted.
+            max_catch_up: Overrides the planner's limit for this entry.
 
         Returns:
             The plan.
 
+        Raises:
+            Exception: Whatever the schedule raises (a custom schedule without
+                ``remaining_estimate`` raises ``NotImplementedError``).
+
         """
-        first = self.next_slot(name, schedule, last, now)
+        limit = self.max_catch_up if max_catch_up is None else max_catch_up
+        now_utc = to_utc(now)
+        after = to_utc(last)
+        period = self.interval_of(schedule)
+        if period is not None and period <= timedelta(0):
+            period = None
+        if not_before is not None:
+            after = self._skip_before(schedule, after, to_utc(not_before), period)
+        first = self._next(schedule, after, now, period)
         if first is None:
             return TickPlan(None, False, math.inf)
-        now_utc = to_utc(now)
         if first > now_utc:
             return TickPlan(first, False, (first - now_utc).total_seconds())
-        # Overdue. Count the missed slots after this one, up to the limit.
-        current = first
-        missed = 0
-        while missed <= self.max_catch_up:
-            following = self.next_slot(name, schedule, current, now)
+        if period is not None:
+            overdue = (now_utc - first) // period + 1
+            if overdue - 1 <= limit:
+                return TickPlan(first, True, 0.0)
+            return TickPlan(first + (overdue - 1) * period, True, 0.0, skipped=overdue - 1)
+        # Jump forward up to the limit: few enough overdue slots are caught up.
+        current, missed = first, 0
+        while missed <= limit:
+            following = next_slot(schedule, current, now)
             if following is None or following > now_utc:
                 return TickPlan(first, True, 0.0)
             current = following
             missed += 1
-        # Too many: coalesce to the latest overdue slot (bounded scan).
-        latest, skipped = current, missed
-        for _ in range(self.max_scan):
-            following = self.next_slot(name, schedule, latest, now)
-            if following is None or following > now_utc:
-                break
-            latest = following
-            skipped += 1
-        return TickPlan(latest, True, 0.0, skipped=skipped)
+        # Too many: the latest overdue slot, by a binary search on the time
+        # axis. ``skipped`` is then a lower bound (the slots jumped over).
+        latest = self._latest(schedule, current, now)
+        return TickPlan(latest, True, 0.0, skipped=missed)
+
+    @staticmethod
+    def _next(
+        schedule: Any, after: datetime, now: datetime, period: timedelta | None
+    ) -> datetime | None:
+        if period is not None:
+            return after + period
+        return next_slot(schedule, after, now)
+
+    @staticmethod
+    def _skip_before(
+        schedule: Any, after: datetime, not_before: datetime, period: timedelta | None
+    ) -> datetime:
+        """Move ``after`` so that the next slot is the first one at or after ``not_before``."""
+        if period is not None:
+            if after + period >= not_before:
+                return after
+            # The chain keeps its phase: the first slot >= not_before.
+            steps = -(-(not_before - after) // period)  # ceil
+            return after + (steps - 1) * period
+        return max(after, not_before - _RESOLUTION)
+
+    @staticmethod
+    def _latest(schedule: Any, slot: datetime, now: datetime) -> datetime:
+        """The latest slot at or before ``now``, given one (``slot``) at or before it."""
+        now_utc = to_utc(now)
+        # Invariant: next_slot(low) <= now < next_slot(high) (or None).
+        low, high = slot, now_utc
+        found = next_slot(schedule, low, now)
+        if found is None or found > now_utc:
+            return slot
+        while high - low > _RESOLUTION:
+            middle = low + (high - low) / 2
+            candidate = next_slot(schedule, middle, now)
+            if candidate is not None and candidate <= now_utc:
+                low, found = middle, candidate
+            else:
+                high = middle
+        return found
 
 
 def slot_text(slot: datetime) -> str:

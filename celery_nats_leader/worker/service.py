@@ -67,6 +67,14 @@ class LeaderService:
     """
 
     def __init__(self, app: Any, settings: LeaderSettings, *, hostname: str | None = None) -> None:
+        if settings.beat_role in settings.roles:
+            # A worker holding the beat role would make every beat replica
+            # follow it, and nothing would be dispatched.
+            raise ConfigError(
+                f"nats_leader_roles {list(settings.roles)} contains the beat role "
+                f"{settings.beat_role!r}: only beat schedulers may campaign for it. Remove it "
+                "from nats_leader_roles, or rename the role (nats_leader_beat_role)"
+            )
         self.app = app
         self.settings = settings
         self.roles = settings.roles

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -38,6 +41,7 @@ from celery_nats_leader.beat import (
     check_dispatch_token,
 )
 from celery_nats_leader.testing import kombu_fs
+from celery_nats_leader.worker.once import OnceTask
 
 # kombu's filesystem transport writes a message file non-atomically: a polling
 # consumer can read it empty and die. Tests use the atomic variant.
@@ -99,6 +103,56 @@ def _record(ledger: BeatLedger, task: Any) -> None:
     )
 
 
+def _stop_here(folder: str, point: str) -> None:
+    """Stop this process (SIGSTOP) if the test asked for a stop at ``point``.
+
+    The test creates the file ``<folder>/<point>``; the first process to
+    reach the point claims it by renaming it to ``<point>.<pid>`` (atomic, so
+    one process stops per request) and stops itself there, for the test to
+    SIGKILL it: a crash at exactly that point of the dispatch.
+    """
+    try:
+        os.rename(os.path.join(folder, point), os.path.join(folder, f"{point}.{os.getpid()}"))
+    except FileNotFoundError:
+        return
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def install_kill_points(folder: str) -> None:
+    """Points of the dispatch where a ``celery beat`` process can be stopped and killed.
+
+    ``before_commit`` (the token is confirmed, the tick not committed yet),
+    ``before_publish`` (committed, not sent: Celery's ``before_task_publish``),
+    ``after_publish`` (sent, the send not recorded yet: ``after_task_publish``)
+    and ``after_record`` (the send is recorded).
+    """
+    from celery.signals import after_task_publish, before_task_publish
+
+    from celery_nats_leader.beat.state import ScheduleStateStore
+
+    def before(headers: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if headers and headers.get(TICK_HEADER):
+            _stop_here(folder, "before_publish")
+
+    def after(headers: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if headers and headers.get(TICK_HEADER):
+            _stop_here(folder, "after_publish")
+
+    before_task_publish.connect(before, weak=False)
+    after_task_publish.connect(after, weak=False)
+    update = ScheduleStateStore.update
+
+    def patched(self: ScheduleStateStore, state: Any, *, last: int) -> Any:
+        if state.pending:
+            _stop_here(folder, "before_commit")
+        written = update(self, state, last=last)
+        if not state.pending:
+            _stop_here(folder, "after_record")
+        return written
+
+    ScheduleStateStore.update = patched  # type: ignore[method-assign]
+
+
 def make_app(config: dict[str, Any]) -> Celery:
     _FAST.update(t0=config.get("t0", 0.0), speed=config.get("speed", 60))
     if config.get("django"):
@@ -136,12 +190,21 @@ def make_app(config: dict[str, Any]) -> Celery:
             config.get("entries", []), "cnl_beat.record", config["queue"]
         )
     ledger = BeatLedger(config["ledger"])
+    if config.get("kill_points") and "beat" in sys.argv:
+        install_kill_points(config["kill_points"])
 
-    @app.task(bind=True, name="cnl_beat.record")
+    # The beat tests' tasks use the once-guard, as the documentation
+    # recommends: the outbox sends a tick again when a scheduler died after
+    # sending it and before recording the send.
+    @app.task(bind=True, base=OnceTask, name="cnl_beat.record")
     def record(self: Any, *args: Any, **kwargs: Any) -> None:
         _record(ledger, self)
 
-    class RecordingFencedTask(FencedBeatTask):  # type: ignore[misc]
+    @app.task(bind=True, name="cnl_beat.plain")
+    def plain(self: Any, *args: Any, **kwargs: Any) -> None:
+        _record(ledger, self)
+
+    class RecordingFencedTask(FencedBeatTask, OnceTask):  # type: ignore[misc]
         def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
             try:
                 super().before_start(task_id, args, kwargs)
@@ -161,6 +224,32 @@ def make_app(config: dict[str, Any]) -> Celery:
     @app.task(bind=True, base=RecordingFencedTask, name="cnl_beat.fenced")
     def fenced(self: Any, *args: Any, **kwargs: Any) -> None:
         _record(ledger, self)
+
+    @app.task(bind=True, base=OnceTask, name="cnl_beat.once")
+    def once(self: Any, *args: Any, **kwargs: Any) -> None:
+        _record(ledger, self)
+
+    @app.task(
+        bind=True,
+        base=OnceTask,
+        name="cnl_beat.once_hold",
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )
+    def once_hold(self: Any, hold: str) -> None:
+        # Records its start, holds while the file ``hold`` exists (the test
+        # kills the process meanwhile), then records its end.
+        ledger.run(task="once_hold:start", task_id=self.request.id)
+        while os.path.exists(hold):
+            time.sleep(0.02)
+        ledger.run(task="once_hold:end", task_id=self.request.id)
+
+    @app.task(bind=True, name="cnl_beat.plain_hold", acks_late=True, reject_on_worker_lost=True)
+    def plain_hold(self: Any, hold: str) -> None:
+        ledger.run(task="plain_hold:start", task_id=self.request.id)
+        while os.path.exists(hold):
+            time.sleep(0.02)
+        ledger.run(task="plain_hold:end", task_id=self.request.id)
 
     app.cnl_ledger = ledger  # type: ignore[attr-defined]
     return app

@@ -7,6 +7,7 @@ between them is driven directly.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 from celery_nats_leader.beat.dispatcher import Outcome, Tick, TickDispatcher
 from celery_nats_leader.beat.state import EntryState, ScheduleStateStore
 from celery_nats_leader.elector import Elector
+from celery_nats_leader.errors import BackendTimeoutError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.token import FencingToken
 
@@ -149,7 +151,130 @@ def test_the_parts_without_celery_import_without_it() -> None:
         "import celery_nats_leader.beat\n"
         "import celery_nats_leader.beat.dispatcher, celery_nats_leader.beat.election\n"
         "import celery_nats_leader.beat.state, celery_nats_leader.beat.ticks\n"
+        "import celery_nats_leader.beat.agenda, celery_nats_leader.beat.metrics\n"
         "assert celery_nats_leader.beat.tick_task_id('b', 'r', 'e', 't')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
+
+
+# ------------------------------------------------------------------ outbox
+
+
+def test_the_intent_is_recorded_before_the_send_and_the_send_after(
+    dispatcher: TickDispatcher, store: ScheduleStateStore
+) -> None:
+    seen: list[EntryState | None] = []
+    result = dispatcher.dispatch(Lease(), TOKEN, tick(10), lambda c: seen.append(store.get("e")))
+    assert result.outcome is Outcome.SENT
+    [during] = seen
+    assert during is not None and during.pending and during.runs == 1
+    after = store.get("e")
+    assert (
+        after is not None
+        and not after.pending
+        and (after.slot, after.runs)
+        == (
+            T0 + timedelta(seconds=10),
+            1,
+        )
+    )
+    assert dispatcher.pending_tick("e") is None
+
+
+def test_a_pending_tick_of_a_dead_scheduler_is_sent_again_under_its_identity(
+    dispatcher: TickDispatcher, store: ScheduleStateStore
+) -> None:
+    # The scheduler of epoch 6 committed tick 10 and died before recording its send.
+    state = dispatcher.states["e"]
+    dead = dataclasses.replace(
+        state.advanced(T0 + timedelta(seconds=10), epoch=6, by="dead"), pending=True
+    )
+    store.update(dead, last=state.revision)
+    successor = TickDispatcher(store, "unit-b")
+    successor.begin_term(TOKEN)
+    again = successor.pending_tick("e")
+    assert again is not None and again.resend and again.slot == T0 + timedelta(seconds=10)
+    sent: list[EntryState] = []
+    result = successor.dispatch(Lease(), TOKEN, again, sent.append)
+    assert result.outcome is Outcome.SENT
+    # Same slot and run number (so the same task id), under the new term.
+    [resent] = sent
+    assert (resent.slot, resent.runs, resent.epoch, resent.by) == (dead.slot, 1, 7, "unit-b")
+    final = store.get("e")
+    assert final is not None and not final.pending and final.runs == 1
+    assert successor.pending_tick("e") is None
+    # The next tick follows it: nothing skipped, nothing twice.
+    assert successor.dispatch(Lease(), TOKEN, tick(20), sent.append).outcome is Outcome.SENT
+    assert [(s.slot, s.runs) for s in sent][1] == (T0 + timedelta(seconds=20), 2)
+
+
+def test_a_tick_whose_send_was_not_recorded_is_sent_again_by_others_only(
+    dispatcher: TickDispatcher, store: ScheduleStateStore
+) -> None:
+    real_update = store.update
+
+    def update(state: EntryState, *, last: int) -> EntryState:
+        if not state.pending:
+            raise BackendTimeoutError("the record of the send got no answer")
+        return real_update(state, last=last)
+
+    store.update = update  # type: ignore[method-assign]
+    sent: list[EntryState] = []
+    assert dispatcher.dispatch(Lease(), TOKEN, tick(10), sent.append).outcome is Outcome.SENT
+    store.update = real_update  # type: ignore[method-assign]
+    in_kv = store.get("e")
+    assert in_kv is not None and in_kv.pending
+    # Its own dispatcher knows it sent it, even after re-reading the states.
+    dispatcher.begin_term(TOKEN)
+    assert dispatcher.pending_tick("e") is None
+    # A successor does not know: it sends it again (the once-guard's case).
+    successor = TickDispatcher(store, "unit-b")
+    successor.begin_term(FencingToken(epoch=8, value="t-8"))
+    again = successor.pending_tick("e")
+    assert again is not None and again.slot == T0 + timedelta(seconds=10)
+
+
+def test_a_commit_that_could_not_be_undone_stays_pending_and_is_sent_later(
+    dispatcher: TickDispatcher, store: ScheduleStateStore
+) -> None:
+    real_update = store.update
+
+    def update(state: EntryState, *, last: int) -> EntryState:
+        if not state.pending:
+            raise BackendTimeoutError("the revert got no answer")
+        return real_update(state, last=last)
+
+    def send(committed: EntryState) -> None:
+        raise ConnectionError("broker down")
+
+    store.update = update  # type: ignore[method-assign]
+    result = dispatcher.dispatch(Lease(), TOKEN, tick(10), send)
+    store.update = real_update  # type: ignore[method-assign]
+    assert result.outcome is Outcome.UNSENT
+    dispatcher.begin_term(TOKEN)
+    again = dispatcher.pending_tick("e")
+    assert again is not None and again.slot == T0 + timedelta(seconds=10)
+    sent: list[EntryState] = []
+    assert dispatcher.dispatch(Lease(), TOKEN, again, sent.append).outcome is Outcome.SENT
+    assert [(s.slot, s.runs) for s in sent] == [(T0 + timedelta(seconds=10), 1)]
+
+
+def test_a_tick_that_can_never_be_sent_is_dropped_not_resent(store: ScheduleStateStore) -> None:
+    dispatcher = TickDispatcher(
+        store, "unit-a", is_permanent=lambda exc: isinstance(exc, TypeError)
+    )
+    dispatcher.begin_term(TOKEN)
+    assert dispatcher.adopt("e", T0, runs=0, task="t", token=TOKEN) is not None
+
+    def send(committed: EntryState) -> None:
+        raise TypeError("cannot serialize a set")
+
+    result = dispatcher.dispatch(Lease(), TOKEN, tick(10), send)
+    assert result.outcome is Outcome.FAILED
+    # Dropped as Celery does, and recorded as such: no scheduler sends it again.
+    in_kv = store.get("e")
+    assert in_kv is not None and not in_kv.pending and in_kv.slot == T0 + timedelta(seconds=10)
+    successor = TickDispatcher(store, "unit-b")
+    successor.begin_term(FencingToken(epoch=8, value="t-8"))
+    assert successor.pending_tick("e") is None

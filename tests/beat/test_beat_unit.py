@@ -32,6 +32,7 @@ from celery_nats_leader.beat import (
     check_dispatch_token,
     tick_task_id,
 )
+from celery_nats_leader.beat.scheduler import interval_of
 from celery_nats_leader.beat.state import EntryState, decode_state, encode_state, state_key
 from celery_nats_leader.beat.ticks import TickPlanner, next_slot, parse_slot, slot_text
 from celery_nats_leader.elector import Elector
@@ -135,7 +136,7 @@ def test_a_schedule_without_further_slots_has_none() -> None:
 
 def test_overdue_ticks_are_caught_up_one_by_one_up_to_the_limit() -> None:
     every = schedule(timedelta(seconds=1))
-    planner = TickPlanner(max_catch_up=10)
+    planner = TickPlanner(max_catch_up=10, interval_of=interval_of)
     now = T0 + timedelta(seconds=5.5)
     plan = planner.plan("e", every, T0, now)
     assert plan.due and plan.slot == T0 + timedelta(seconds=1) and plan.skipped == 0
@@ -146,6 +147,46 @@ def test_overdue_ticks_are_caught_up_one_by_one_up_to_the_limit() -> None:
     # Not due yet: how long to wait.
     plan = planner.plan("e", every, T0, T0 + timedelta(seconds=0.25))
     assert not plan.due and plan.wait == pytest.approx(0.75)
+
+
+class CountingCrontab(crontab):  # type: ignore[misc]
+    """A crontab that counts its remaining_estimate() calls."""
+
+    calls = 0
+
+    def remaining_estimate(self, last_run_at: datetime, *args: Any, **kwargs: Any) -> timedelta:
+        type(self).calls += 1
+        return super().remaining_estimate(last_run_at, *args, **kwargs)
+
+
+def test_a_crontab_a_year_behind_is_planned_by_jumping_not_scanning() -> None:
+    every_minute = CountingCrontab()
+    CountingCrontab.calls = 0
+    now = T0 + timedelta(days=365, seconds=20)
+    plan = TickPlanner(max_catch_up=3).plan("cron", every_minute, T0, now)
+    latest = (T0 + timedelta(days=365)).replace(second=0, microsecond=0)
+    assert plan.due and plan.slot == latest
+    # 525,600 minutes behind: a handful of jumps and a binary search, not a walk.
+    assert CountingCrontab.calls <= 5 + 64
+    assert plan.skipped >= 4
+
+
+def test_an_interval_a_year_behind_is_planned_arithmetically() -> None:
+    every = schedule(timedelta(seconds=1))
+    plan = TickPlanner(max_catch_up=3, interval_of=interval_of).plan(
+        "second", every, T0, T0 + timedelta(days=365, seconds=0.5)
+    )
+    assert plan.slot == T0 + timedelta(days=365) and plan.skipped == 365 * 86400 - 1
+
+
+def test_slots_before_not_before_do_not_exist() -> None:
+    every = schedule(timedelta(seconds=10))
+    planner = TickPlanner(max_catch_up=100, interval_of=interval_of)
+    start = T0 + timedelta(days=30 * 365)
+    # A row backdated 30 years whose start time has just come: one tick, the first
+    # slot at or after the start, nothing caught up.
+    plan = planner.plan("row", every, T0, start + timedelta(seconds=25), not_before=start)
+    assert plan.due and plan.skipped == 0 and start <= plan.slot <= start + timedelta(seconds=10)
 
 
 # ------------------------------------------------------------------ state
@@ -375,16 +416,26 @@ def test_a_failed_send_hands_the_tick_back(make: Any, clock: ManualNow, caplog: 
     a, _ = leader_and_follower(make)
     a.tick()
     before = a.entry_states()["ten-seconds"]
-    a.fail_sends = 1
+    a.fail_sends = 2
     clock.advance(10)
     with caplog.at_level(logging.WARNING, logger="celery_nats_leader.beat"):
-        a.tick()
+        assert a.tick() == 0.0
     assert a.sent == []
     undone = a.entry_states()["ten-seconds"]
     assert (undone.slot, undone.runs) == (before.slot, before.runs)
     assert "commit undone" in caplog.text
+    # The entry backs off (0.125 s: half the heartbeat), doubling per failure.
+    first = a.tick()
+    assert first == pytest.approx(0.125, abs=0.01)
+    clock.advance(first)
+    assert a.tick() == 0.0 and a.sent == []
+    second = a.tick()
+    assert second == pytest.approx(0.25, abs=0.01)
+    clock.advance(second)
     a.tick()
     assert [s.tick for s in a.sent] == [before.slot + timedelta(seconds=10)]
+    counts = a.nats_leader_metrics.snapshot()["ten-seconds"]
+    assert (counts["send_failed"], counts["reverted"], counts["dispatched"]) == (2, 2, 1)
 
 
 def test_the_lease_ending_before_the_send_hands_the_tick_back(make: Any, clock: ManualNow) -> None:
@@ -476,6 +527,12 @@ class DueEveryOtherCheck:
         self.checks += 1
         return (self.checks % 2 == 0, 3.0)
 
+    def __eq__(self, other: object) -> bool:
+        # As Celery's own schedules: equal when unedited (shelve copies compare equal).
+        return type(other) is type(self)
+
+    __hash__ = None  # type: ignore[assignment]
+
 
 class Broken(DueEveryOtherCheck):
     """A schedule that cannot say when it is due."""
@@ -490,7 +547,10 @@ def test_a_schedule_without_slots_still_dispatches_once_per_due_check(
     a, _ = leader_and_follower(make)
     entry = a.schedule["ten-seconds"]
     entry.schedule = DueEveryOtherCheck()
-    a.tick()
+    # First check: not due, ask again in 3 s (honoured: nothing asked before).
+    assert a.tick() == 3.0
+    assert a.tick() == pytest.approx(3.0) and entry.schedule.checks == 1
+    clock.advance(3)
     assert a.tick() == 0.0
     [sent] = a.sent
     assert sent.tick == clock.now
@@ -502,14 +562,19 @@ def test_an_entry_that_cannot_be_calculated_does_not_stop_the_others(
     make: Any, clock: ManualNow, caplog: Any
 ) -> None:
     a, _ = leader_and_follower(make)
-    a.add(name="broken", task="unit.broken", schedule=Broken())
     a.tick()
     clock.advance(10)
+    a.add(name="broken", task="unit.broken", schedule=Broken())
     with caplog.at_level(logging.ERROR, logger="celery_nats_leader.beat"):
         drive(a)
         drive(a)
     assert [s.name for s in a.sent] == ["ten-seconds"]
+    # Asked again after max_interval (5 s) on its clock, as Celery: not in a loop.
     assert caplog.text.count("cannot calculate the next run of 'broken'") == 1
+    clock.advance(5)
+    with caplog.at_level(logging.ERROR, logger="celery_nats_leader.beat"):
+        drive(a)
+    assert caplog.text.count("cannot calculate the next run of 'broken'") == 2
 
 
 def test_a_persistent_state_bucket_with_max_age_is_refused(make: Any, server: MemoryServer) -> None:

@@ -1,0 +1,360 @@
+"""Celery wiring of the once-guard: run each task id's body once.
+
+Two ways to opt a task in (the recipe is :mod:`celery_nats_leader.once`)::
+
+    @app.task(base=OnceTask)
+    def send_report(): ...
+
+    @app.task
+    @leader_only          # (optional) leadership is checked first
+    @run_once
+    def rebuild_index(): ...
+
+The idempotency key is the task id. Beat ticks sent by the leader scheduler
+have deterministic ids (one per tick), so a tick re-sent after a failover
+runs once; for other tasks, give the message an id of your choosing
+(``apply_async(task_id=...)``) to make a resubmission idempotent.
+
+Before the body runs the worker claims the id in KV (two round trips):
+
+* already done: the message is acknowledged without running
+  (:class:`~celery.exceptions.Ignore`, logged at INFO);
+* running elsewhere: the message is retried after a third of the lease
+  (``Retry`` with the same id, not counted against ``max_retries``): if the
+  other run finishes, the retry is acknowledged; if its worker died, its
+  lease expires and the retry runs it;
+* NATS unreachable: retried the same way (fail closed: nothing runs unguarded,
+  nothing is dropped).
+
+After the body: success and failure are recorded as done (as Celery
+acknowledges a failed task, a failed run is not run again); ``Retry`` and
+``Reject`` release the claim so the retry can run. A worker that dies in the
+body records nothing: its lease expires and a redelivery (``acks_late`` with
+``task_reject_on_worker_lost``) or a duplicate runs it again.
+
+Eager and direct calls run unguarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from celery import Task
+from celery._state import get_current_task
+from celery.exceptions import Ignore, Reject, Retry
+from celery.utils.log import get_task_logger
+
+from celery_nats_leader.backend import Bucket
+from celery_nats_leader.errors import (
+    BackendTimeoutError,
+    BucketConfigError,
+    BucketNotFoundError,
+    ElectionError,
+    PermissionDeniedError,
+)
+from celery_nats_leader.loop_thread import EventLoopThread
+from celery_nats_leader.nats.connection import connect
+from celery_nats_leader.once import Claim, ClaimLostError, OnceGuard, Verdict
+from celery_nats_leader.settings import LeaderSettings
+
+__all__ = ["OnceService", "OnceTask", "run_once", "run_task_once"]
+
+logger = logging.getLogger(__name__)
+task_logger = get_task_logger(__name__)
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+_MARK = "__nats_leader_once__"
+
+
+class OnceService:
+    """The once-guard of one worker process: a NATS connection on its own loop thread.
+
+    One per process and settings (:meth:`for_settings`), opened at first use
+    (after the fork of a prefork child).
+
+    Args:
+        settings: The ``nats_leader_*`` settings (servers, ``once_*``).
+
+    """
+
+    _instances: dict[tuple[int, Any, str], OnceService] = {}  # noqa: RUF012
+    _instances_lock = threading.Lock()
+
+    def __init__(self, settings: LeaderSettings) -> None:
+        self.settings = settings
+        self.lease = float(settings.once_lease)
+        self.timeout = min(
+            max(settings.election_config(settings.beat_role).request_timeout, 1.0), 5.0
+        )
+        self._loop = EventLoopThread(name="nats-leader-once")
+        self._guard: OnceGuard | None = None
+        self._nc: Any = None
+        self._opening: asyncio.Lock | None = None
+        self._lock = threading.Lock()
+        self.claimant = f"{socket.gethostname()}:{os.getpid()}"
+
+    @classmethod
+    def for_settings(cls, settings: LeaderSettings) -> OnceService:
+        """The service of this process for ``settings`` (created on first use)."""
+        key = (os.getpid(), settings.servers, settings.once_bucket)
+        with cls._instances_lock:
+            service = cls._instances.get(key)
+            if service is None:
+                service = cls._instances[key] = cls(settings)
+            return service
+
+    def run(self, coro: Callable[[OnceGuard], Coroutine[Any, Any, T]]) -> T:
+        """Run ``coro(guard)`` on the service's loop and wait for it.
+
+        Raises:
+            ElectionError: NATS did not answer in time, or the buckets are unusable.
+
+        """
+        with self._lock:
+            self._loop.start()
+
+        async def call() -> T:
+            return await coro(await self._open())
+
+        try:
+            return self._loop.run(call(), 4 * self.timeout + 2.0)
+        except (TimeoutError, RuntimeError) as exc:
+            raise BackendTimeoutError(f"the once-guard got no answer from NATS: {exc}") from exc
+
+    async def _open(self) -> OnceGuard:
+        if self._guard is not None:
+            return self._guard
+        if self._opening is None:
+            # Created on the loop (never bound in __init__); tasks of a
+            # threads pool ask at once, one of them opens.
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            return await self._open_once()
+
+    async def _open_once(self) -> OnceGuard:
+        if self._guard is None:
+            from celery_nats_leader.nats.jetstream import JetStreamBackend
+
+            settings = self.settings
+            if self._nc is None:
+                self._nc = await connect(
+                    settings.connection, timeout=self.timeout, name="nats-leader-once"
+                )
+            # One connection per process, kept when opening the buckets fails
+            # (the next call tries the buckets again on it).
+            backend = JetStreamBackend(self._nc)
+            opened: list[Bucket] = []
+            for name, ttl in (
+                (f"{settings.once_bucket}_leases", settings.once_lease),
+                (settings.once_bucket, settings.once_retention),
+            ):
+                opened.append(
+                    await backend.open_bucket(
+                        name,
+                        ttl=ttl,
+                        create=True,
+                        replicas=settings.bucket_replicas,
+                        timeout=max(self.timeout, 2.0),
+                    )
+                )
+            self._guard = OnceGuard(
+                opened[0], opened[1], claimant=self.claimant, timeout=self.timeout
+            )
+        return self._guard
+
+    def close(self) -> None:
+        """Close the connection and stop the loop thread (the next use reopens them)."""
+        if not self._loop.is_running:
+            return
+
+        async def close() -> None:
+            nc, self._nc, self._guard, self._opening = self._nc, None, None, None
+            if nc is not None:
+                await nc.close()
+
+        with contextlib.suppress(Exception):
+            self._loop.run(close(), self.timeout + 1.0)
+        self._loop.stop()
+        with self._instances_lock:
+            for key, service in list(self._instances.items()):
+                if service is self:
+                    del self._instances[key]
+
+    @contextlib.contextmanager
+    def renewing(self, claim: Claim) -> Any:
+        """Keep ``claim``'s lease alive while the body runs (a task on the loop).
+
+        Yields:
+            A one-item list holding the claim at its latest revision.
+
+        """
+        current = [claim]
+        stop = threading.Event()
+
+        async def renew(guard: OnceGuard) -> None:
+            while not stop.is_set():
+                await asyncio.sleep(self.lease / 3)
+                if stop.is_set():
+                    return
+                try:
+                    current[0] = await guard.renew(current[0])
+                except ClaimLostError as exc:
+                    logger.error("%s: a duplicate may run beside this one", exc)
+                    return
+                except ElectionError as exc:
+                    logger.warning("could not renew the claim on %r: %s", claim.key, exc)
+
+        future = self._loop.submit(self._with_guard(renew))
+        try:
+            yield current
+        finally:
+            stop.set()
+            future.cancel()
+
+    async def _with_guard(self, coro: Callable[[OnceGuard], Coroutine[Any, Any, None]]) -> None:
+        await coro(await self._open())
+
+
+def _settings(app: Any) -> LeaderSettings:
+    cached = getattr(app, "_nats_leader_once_settings", None)
+    if cached is None:
+        cached = LeaderSettings.from_celery(app.conf)
+        app._nats_leader_once_settings = cached
+    return cached
+
+
+def _guarded(task: Any) -> bool:
+    request = task.request
+    return bool(request.id) and not request.is_eager and not request.called_directly
+
+
+def run_task_once(task: Any, call: Callable[[], T]) -> T:
+    """Run ``call`` (the body of ``task``'s current request) once per task id.
+
+    The building block of :class:`OnceTask` and :func:`run_once`.
+
+    Args:
+        task: The executing task (``task.request`` is the message).
+        call: The body.
+
+    Returns:
+        What ``call`` returned.
+
+    Raises:
+        Ignore: A run of this id finished already.
+        Retry: Another run holds the id, or NATS could not be asked.
+
+    """
+    if not _guarded(task):
+        return call()
+    service = OnceService.for_settings(_settings(task.app))
+    task_id = str(task.request.id)
+    retry_in = max(service.lease / 3, 0.1)
+    try:
+        claim = service.run(lambda guard: guard.claim(task_id))
+    except ElectionError as exc:
+        # Kept (retried), never run unguarded nor dropped; a problem that
+        # needs an operator (bucket settings, permissions) is said at ERROR.
+        permanent = isinstance(exc, (BucketConfigError, BucketNotFoundError, PermissionDeniedError))
+        task_logger.log(
+            logging.ERROR if permanent else logging.WARNING,
+            "%s[%s]: cannot claim its id (%s); retrying in %gs",
+            task.name,
+            task_id,
+            exc,
+            retry_in,
+        )
+        raise task.retry(countdown=retry_in, max_retries=None) from exc
+    if claim.verdict is Verdict.DONE:
+        by = (claim.holder or {}).get("by", "?")
+        task_logger.info(
+            "%s[%s]: already ran (on %s); not running it again", task.name, task_id, by
+        )
+        raise Ignore()
+    if claim.verdict is Verdict.BUSY:
+        by = (claim.holder or {}).get("by", "?")
+        task_logger.info(
+            "%s[%s]: running on %s; checking again in %gs", task.name, task_id, by, retry_in
+        )
+        raise task.retry(countdown=retry_in, max_retries=None)
+    # The renewal stops before the outcome is written (it must not move the
+    # lease's revision under the final delete).
+    try:
+        with service.renewing(claim) as current:
+            result = call()
+    except (Retry, Reject):
+        _settle(service, lambda guard: guard.release(current[0]))
+        raise
+    except Exception:
+        _settle(service, lambda guard: guard.complete(current[0], "failure"))
+        raise
+    _settle(service, lambda guard: guard.complete(current[0], "success"))
+    return result
+
+
+def _settle(service: OnceService, step: Callable[[OnceGuard], Coroutine[Any, Any, Any]]) -> None:
+    try:
+        service.run(step)
+    except ElectionError as exc:
+        # The body ran; the claim expires by itself. Until it does a duplicate
+        # is retried; after it, a duplicate would run again: say so.
+        logger.error(
+            "could not record a finished run in the once-guard (%s): a duplicate arriving "
+            "after the lease may run again",
+            exc,
+        )
+
+
+class OnceTask(Task):  # type: ignore[misc]  # Celery is untyped
+    """Task base whose body runs once per task id: ``@app.task(base=OnceTask)``.
+
+    See the module documentation for what a duplicate, a failure and a
+    worker crash do.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body under the once-guard (worker executions only)."""
+        parent = super().__call__
+        return run_task_once(self, lambda: parent(*args, **kwargs))
+
+
+def run_once(fun: F) -> F:
+    """Decorator form of :class:`OnceTask`, to put under ``@app.task``.
+
+    Composes with :func:`~celery_nats_leader.tasks.leader_only`: put
+    ``@leader_only`` above it, so that a follower requeues the message before
+    anything is claimed.
+
+    Args:
+        fun: The task function.
+
+    Returns:
+        The wrapped function.
+
+    Raises:
+        TypeError: If applied over ``@app.task`` instead of under it.
+
+    """
+    if isinstance(fun, Task):
+        raise TypeError("put @run_once under @app.task, not over it")
+
+    @functools.wraps(fun)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        task = get_current_task()
+        # Only when a worker executes the task this function is the body of.
+        if task is None or getattr(getattr(task, "run", None), _MARK, None) is not fun:
+            return fun(*args, **kwargs)
+        return run_task_once(task, lambda: fun(*args, **kwargs))
+
+    setattr(wrapper, _MARK, fun)
+    return wrapper  # type: ignore[return-value]

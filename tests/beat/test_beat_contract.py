@@ -1,0 +1,430 @@
+"""The scheduler contract, against Celery's own ``PersistentScheduler`` as the oracle.
+
+Each test runs the leader scheduler (on a real nats-server) and Celery's
+``PersistentScheduler`` side by side, on the same entries, the same manual
+clock and the same in-memory broker (kombu's ``memory://``: real
+serialization), and asserts that a user sees the same thing from both: the
+messages sent (which entry, at which time) and the delays ``tick()`` returns.
+The clock advances event by event, by the smaller of the two delays, exactly
+as ``celery beat`` sleeps between ticks.
+
+Where the leader scheduler deliberately differs (catch-up of missed ticks,
+retrying a tick whose send failed transiently) the test sets the behaviour
+that matches Celery (``beat_max_catch_up=0``) or says what differs; the
+differences are listed in docs/beat.md.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery, _state
+from celery.beat import PersistentScheduler
+from celery.schedules import crontab, schedstate, schedule, solar
+
+from celery_nats_leader.beat import LeaderScheduler
+from celery_nats_leader.testing import NatsServer
+
+pytestmark = [pytest.mark.integration]
+
+UTC = timezone.utc
+#: A Monday.
+T0 = datetime(2024, 3, 4, 0, 0, 0, tzinfo=UTC)
+
+
+class Clock:
+    """The manual clock of every schedule in a test."""
+
+    def __init__(self) -> None:
+        self.now = T0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> datetime:
+        with self._lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += timedelta(seconds=seconds)
+
+
+CLOCK = Clock()
+
+
+def now() -> datetime:
+    """The ``nowfun`` of the test schedules (a module function: shelve pickles it)."""
+    return CLOCK()
+
+
+def weekend(moment: datetime) -> bool:
+    return moment.astimezone(UTC).weekday() >= 5
+
+
+def until_monday(moment: datetime) -> float:
+    utc = moment.astimezone(UTC)
+    monday = (utc + timedelta(days=7 - utc.weekday())).replace(hour=0, minute=0, second=0)
+    return (monday - utc).total_seconds()
+
+
+class WeekdaysEvery(schedule):  # type: ignore[misc]
+    """An interval that does not run on weekends (``is_due`` decides)."""
+
+    def is_due(self, last_run_at: datetime) -> Any:
+        if weekend(self.now()):
+            return schedstate(False, until_monday(self.now()))
+        return super().is_due(last_run_at)
+
+
+class WeekdaysCron(crontab):  # type: ignore[misc]
+    """A crontab that does not run on weekends (``is_due`` decides)."""
+
+    def is_due(self, last_run_at: datetime) -> Any:
+        if weekend(self.now()):
+            return schedstate(False, until_monday(self.now()))
+        return super().is_due(last_run_at)
+
+
+class ManualSolar(solar):  # type: ignore[misc]
+    """Celery's solar schedule, keeping its ``nowfun`` through the shelve.
+
+    (``solar.__reduce__`` drops it: after the shelve round trip Celery's own
+    scheduler would read the real clock.)
+    """
+
+    def __reduce__(self) -> Any:
+        return (self.__class__, (self.event, self.lat, self.lon), {"nowfun": self.nowfun})
+
+
+class WeekdaysSolar(ManualSolar):
+    """Sunrise in Paris, not on weekends (``is_due`` decides)."""
+
+    def is_due(self, last_run_at: datetime) -> Any:
+        if weekend(self.now()):
+            return schedstate(False, until_monday(self.now()))
+        return super().is_due(last_run_at)
+
+
+class NeverDue(schedule):  # type: ignore[misc]
+    """Always "not yet, ask again in 5 s", although its interval has long passed."""
+
+    def is_due(self, last_run_at: datetime) -> Any:
+        return schedstate(False, 5.0)
+
+
+@dataclass
+class Sent:
+    entry: str
+    at: datetime
+
+
+@dataclass
+class Run:
+    """What one scheduler did during a run."""
+
+    sent: list[Sent] = field(default_factory=list)
+    delays: list[float] = field(default_factory=list)
+
+    def times(self, entry: str) -> list[datetime]:
+        return [s.at for s in self.sent if s.entry == entry]
+
+
+class Recording:
+    """Records every message the scheduler really sent (kombu's memory transport)."""
+
+    run: Run
+
+    def apply_async(self, entry: Any, producer: Any = None, advance: bool = True, **kw: Any) -> Any:
+        result = super().apply_async(entry, producer=producer, advance=advance, **kw)  # type: ignore[misc]
+        self.run.sent.append(Sent(entry.name, CLOCK()))
+        return result
+
+
+class OracleScheduler(Recording, PersistentScheduler):  # type: ignore[misc]
+    """Celery's default scheduler."""
+
+    is_oracle = True
+
+
+class LeaderUnderTest(Recording, LeaderScheduler):  # type: ignore[misc]
+    """The leader scheduler."""
+
+    is_oracle = False
+
+
+@dataclass
+class Pair:
+    oracle: OracleScheduler
+    ours: LeaderUnderTest
+
+    def run_for(self, seconds: float, *, max_passes: int = 100_000) -> None:
+        """Tick both until ``seconds`` of the manual clock have passed."""
+        end = CLOCK() + timedelta(seconds=seconds)
+        passes = 0
+        while CLOCK() < end:
+            delays = [drain(self.oracle), drain(self.ours)]
+            self.oracle.run.delays.append(delays[0])
+            self.ours.run.delays.append(delays[1])
+            CLOCK.advance(max(min(delays), 0.001))
+            passes += 1
+            assert passes < max_passes, "the schedulers never settled"
+
+
+def drain(scheduler: Any) -> float:
+    """Tick while there is work (Celery sends one message per ``tick()``).
+
+    A ``0`` that sent nothing means "due in less than Celery's 10 ms drift":
+    on a real clock time passes before the next tick, here it must be moved,
+    so it counts as 1 ms.
+    """
+    for _ in range(1000):
+        before = len(scheduler.run.sent)
+        delay = float(scheduler.tick())
+        if delay > 0:
+            return delay
+        if len(scheduler.run.sent) == before and scheduler.is_oracle:
+            return 0.001
+    raise AssertionError("tick() kept returning 0")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[NatsServer]:
+    with NatsServer() as running:
+        yield running
+
+
+@pytest.fixture
+def make_pair(server: NatsServer, tmp_path: Path) -> Iterator[Callable[..., Pair]]:
+    made: list[Any] = []
+    previous = _state.get_current_app()
+
+    def make(
+        entries: dict[str, dict[str, Any]],
+        *,
+        max_interval: float = 300,
+        current: bool = False,
+        **conf: Any,
+    ) -> Pair:
+        """Both schedulers on ``entries``; ``current``: their apps are the current app.
+
+        (Celery's shelve hands back schedules bound to the *current* app, so
+        app-level settings that schedules read, like the crontab starting
+        deadline, only reach Celery's scheduler through the current app.)
+        """
+        CLOCK.now = T0
+        schedulers = []
+        for kind, cls in (("oracle", OracleScheduler), ("ours", LeaderUnderTest)):
+            app = Celery(f"contract-{kind}", set_as_current=current)
+            app.conf.update(
+                broker_url="memory://",
+                result_expires=None,  # no celery.backend_cleanup entry (on the real clock)
+                beat_schedule=entries,
+                nats_leader_servers=server.url,
+                nats_leader_bucket=f"c{uuid.uuid4().hex[:10]}",
+                nats_leader_create_bucket=True,
+                nats_leader_required=True,
+                nats_leader_ttl=5.0,
+                nats_leader_instance_id=f"contract-{uuid.uuid4().hex[:6]}",
+                **{"timezone": "UTC", **conf},
+            )
+            scheduler = type(cls.__name__, (cls,), {"run": Run()})(
+                app=app, schedule_filename=str(tmp_path / f"{kind}.db"), max_interval=max_interval
+            )
+            made.append(scheduler)
+            schedulers.append(scheduler)
+        oracle, ours = schedulers
+        assert ours.beat_role.wait_for_leadership(10)
+        return Pair(oracle, ours)
+
+    yield make
+    for scheduler in made:
+        scheduler.close()
+    _state._set_current_app(previous)
+
+
+def assert_same_times(ours: list[datetime], oracle: list[datetime], slack: float = 1.5) -> None:
+    """The same sends; each within ``slack`` seconds of Celery's.
+
+    Celery sends up to one tick late (it sleeps its delay minus 10 ms, then
+    looks again) and counts an interval from that late send; the leader
+    scheduler sends the tick of the slot itself.
+    """
+    assert len(ours) == len(oracle), (ours, oracle)
+    late = [
+        (a, b) for a, b in zip(ours, oracle, strict=True) if abs((a - b).total_seconds()) > slack
+    ]
+    assert not late, late
+
+
+def entry(schedule_: Any, **extra: Any) -> dict[str, Any]:
+    return {"task": "contract.noop", "schedule": schedule_, **extra}
+
+
+# ----------------------------------------------------------------- is_due
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param(lambda: WeekdaysEvery(timedelta(hours=6), nowfun=now), id="interval"),
+        pytest.param(lambda: WeekdaysCron(minute=0, hour="*/4", nowfun=now), id="crontab"),
+        pytest.param(lambda: WeekdaysSolar("sunrise", 48.85, 2.35, nowfun=now), id="solar"),
+    ],
+)
+def test_is_due_of_a_schedule_subclass_decides(
+    make_pair: Callable[..., Pair], kind: Callable[[], Any]
+) -> None:
+    pair = make_pair({"weekdays": entry(kind())})
+    pair.run_for(7 * 86400 + 3600)
+    oracle, ours = pair.oracle.run.times("weekdays"), pair.ours.run.times("weekdays")
+    assert oracle, "the oracle never sent: the scenario is wrong"
+    assert not any(weekend(at) for at in oracle)
+    assert_same_times(ours, oracle)
+
+
+def test_is_due_refusing_holds_the_entry_with_its_delay(make_pair: Callable[..., Pair]) -> None:
+    # Issue 10 #1: an interval long past, but is_due() says "not yet, 5 s".
+    pair = make_pair({"never": entry(NeverDue(timedelta(seconds=1), nowfun=now))})
+    pair.run_for(6)
+    assert pair.oracle.run.sent == [] and pair.ours.run.sent == []
+    # Both ask again 5 s later (Celery subtracts 10 ms of drift).
+    assert pair.ours.run.delays[0] == pytest.approx(5.0, abs=0.02)
+    assert pair.oracle.run.delays[0] == pytest.approx(5.0, abs=0.02)
+
+
+def test_max_interval_bounds_the_delay(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair({"hourly": entry(schedule(timedelta(hours=1), nowfun=now))}, max_interval=7)
+    pair.run_for(3 * 3600 + 1)
+    assert max(pair.ours.run.delays) <= 7 and max(pair.oracle.run.delays) <= 7
+    assert_same_times(pair.ours.run.times("hourly"), pair.oracle.run.times("hourly"))
+    assert len(pair.ours.run.times("hourly")) == 3
+
+
+# ---------------------------------------------------------- failing entry
+
+
+def test_an_entry_that_cannot_be_sent_does_not_hold_the_others(
+    make_pair: Callable[..., Pair],
+) -> None:
+    # Issue 10 #2: a set is not JSON-serializable; the healthy entry keeps its schedule.
+    pair = make_pair(
+        {
+            "unsendable": entry(schedule(timedelta(seconds=1), nowfun=now), args=({1, 2},)),
+            "healthy": entry(schedule(timedelta(seconds=1), nowfun=now)),
+        }
+    )
+    pair.run_for(12)
+    oracle, ours = pair.oracle.run.times("healthy"), pair.ours.run.times("healthy")
+    assert len(oracle) >= 11
+    assert_same_times(ours, oracle)
+    assert pair.ours.run.times("unsendable") == pair.oracle.run.times("unsendable") == []
+    # Counted, once per tick (not retried in a loop).
+    counts = pair.ours.nats_leader_metrics.snapshot()["unsendable"]
+    assert counts["send_failed"] == counts["lost"] == len(oracle)
+    assert counts["dispatched"] == counts["reverted"] == 0
+
+
+# ---------------------------------------------------------- solar and DST
+
+
+@pytest.mark.parametrize(
+    "start",
+    [
+        pytest.param(datetime(2024, 3, 30, 12, tzinfo=UTC), id="spring-forward"),
+        pytest.param(datetime(2024, 10, 26, 12, tzinfo=UTC), id="fall-back"),
+    ],
+)
+def test_crontab_and_solar_across_a_dst_change(
+    make_pair: Callable[..., Pair], start: datetime
+) -> None:
+    pair = make_pair(
+        {
+            # 02:30 does not exist on the spring day and exists twice in autumn.
+            "night": entry(crontab(minute=30, hour=2, nowfun=now)),
+            "hourly": entry(crontab(minute=15, nowfun=now)),
+            "sunset": entry(ManualSolar("sunset", 48.85, 2.35, nowfun=now)),
+        },
+        timezone="Europe/Paris",
+        nats_leader_beat_max_catch_up=0,
+    )
+    CLOCK.now = start
+    pair.run_for(3 * 86400)
+    for name in ("night", "hourly", "sunset"):
+        oracle, ours = pair.oracle.run.times(name), pair.ours.run.times(name)
+        assert oracle, name
+        assert_same_times(ours, oracle)
+
+
+# -------------------------------------------------------------- catch-up
+
+
+def test_after_a_long_gap_at_most_max_catch_up_ticks_then_the_latest(
+    make_pair: Callable[..., Pair],
+) -> None:
+    # Issue 10 #3: three days behind, a 1-s, a 60-s and a cron entry.
+    names = ("second", "minute", "cron")
+    pair = make_pair(
+        {
+            "second": entry(schedule(timedelta(seconds=1), nowfun=now)),
+            "minute": entry(schedule(timedelta(minutes=1), nowfun=now)),
+            "cron": entry(crontab(nowfun=now)),
+        },
+        nats_leader_beat_max_catch_up=3,
+    )
+    pair.run_for(2)
+    before = pair.ours.entry_states()
+    sent_before = {name: len(pair.ours.run.times(name)) for name in names}
+    CLOCK.advance(3 * 86400)
+    gap_end = CLOCK()
+    drain(pair.ours)
+    after = {name: pair.ours.run.times(name)[sent_before[name] :] for name in names}
+    # Every entry: exactly one tick, the latest, the skipped ones counted.
+    assert {name: len(times) for name, times in after.items()} == dict.fromkeys(names, 1)
+    states = pair.ours.entry_states()
+    for name, period in (("second", 1), ("minute", 60), ("cron", 60)):
+        assert gap_end - timedelta(seconds=period) < states[name].slot <= gap_end, name
+    skipped = {n: c["skipped"] for n, c in pair.ours.nats_leader_metrics.snapshot().items()}
+    for name, period in (("second", 1), ("minute", 60)):
+        missed = (states[name].slot - before[name].slot) // timedelta(seconds=period)
+        assert skipped[name] == missed - 1 > 3, name
+    assert skipped["cron"] >= 4  # a lower bound: cron slots are jumped over, not counted
+    # Celery sends each once too (it always coalesces).
+    drain(pair.oracle)
+    assert [len(pair.oracle.run.times(n)) - sent_before[n] for n in names] == [1, 1, 1]
+
+
+def test_a_few_missed_ticks_are_caught_up_one_by_one(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair({"minute": entry(crontab(nowfun=now))}, nats_leader_beat_max_catch_up=5)
+    pair.run_for(61)
+    CLOCK.advance(4 * 60)
+    drain(pair.ours)
+    slots = [state.slot for state in [pair.ours.entry_states()["minute"]]]
+    assert len(pair.ours.run.times("minute")) == 1 + 4
+    assert slots == [T0 + timedelta(minutes=5)]
+
+
+# ------------------------------------------------------ starting deadline
+
+
+def test_beat_cron_starting_deadline(make_pair: Callable[..., Pair]) -> None:
+    # Issue 10 #5: a cron slot older than the deadline is not run after a gap.
+    pair = make_pair(
+        {"hourly": entry(crontab(minute=0, nowfun=now))},
+        current=True,
+        beat_cron_starting_deadline=120,
+        nats_leader_beat_max_catch_up=10,
+    )
+    pair.run_for(3601)
+    assert len(pair.ours.run.times("hourly")) == len(pair.oracle.run.times("hourly")) == 1
+    # Down from 01:00:01 to 02:05: the 02:00 slot is 5 min old, beyond 120 s.
+    CLOCK.advance(3900)
+    pair.run_for(3600)
+    oracle, ours = pair.oracle.run.times("hourly"), pair.ours.run.times("hourly")
+    assert_same_times(ours, oracle)
+    assert [at.hour for at in ours] == [1, 3], ours

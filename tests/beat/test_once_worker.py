@@ -1,0 +1,118 @@
+"""The once-guard on real Celery workers and a real nats-server.
+
+Duplicated messages (the same task id several times, as a re-sent beat tick
+or a producer's retry make them) run once with ``OnceTask`` and every time
+without it; a run whose worker process is SIGKILLed midway runs again once
+(``acks_late`` redelivery), while a duplicate sent during the first run does
+not run at all. Each test runs Celery's own behaviour (the same task without
+the guard) beside ours.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cnl_beat_app import make_app
+from cnl_beat_harness import BeatCluster, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.celery, pytest.mark.timeout(180)]
+
+LEASE = 2.0
+EXTRA = {"once_lease": LEASE, "once_retention": 600.0}
+
+
+def _already_ran(cluster: BeatCluster) -> int:
+    return sum(w.log().count("already ran (on ") for w in cluster.workers)
+
+
+@pytest.mark.parametrize("broker", ["filesystem", "redis"], indirect=True)
+def test_duplicates_run_once_with_the_guard_and_every_time_without(
+    cluster_factory: Callable[..., BeatCluster], broker: Any
+) -> None:
+    cluster = cluster_factory(entries=[], extra=EXTRA)
+    app = make_app(cluster.config)
+    ids = [str(uuid.uuid4()) for _ in range(20)]
+    copies = 3
+    for _ in range(copies):
+        for task_id in ids:
+            app.send_task("cnl_beat.once", task_id=task_id, queue=cluster.queue)
+            app.send_task("cnl_beat.plain", task_id=task_id, queue=cluster.queue)
+    # Two workers of four threads each compete for the copies.
+    cluster.start_worker(pool="threads", concurrency=4)
+    cluster.start_worker(pool="threads", concurrency=4)
+
+    duplicates = len(ids) * (copies - 1)
+    wait_for(
+        lambda: (
+            len(cluster.ledger.runs("cnl_beat.plain")) == len(ids) * copies
+            and _already_ran(cluster) == duplicates
+        ),
+        90,
+        f"{len(ids) * copies} plain runs and {duplicates} duplicates acknowledged",
+        cluster.diagnostics,
+    )
+    guarded = collections.Counter(r.task_id for r in cluster.ledger.runs("cnl_beat.once"))
+    plain = collections.Counter(r.task_id for r in cluster.ledger.runs("cnl_beat.plain"))
+    # Celery runs every copy; the guard runs each id once.
+    assert plain == dict.fromkeys(ids, copies)
+    assert guarded == dict.fromkeys(ids, 1)
+
+
+@pytest.mark.parametrize("broker", ["redis"], indirect=True)
+def test_a_run_killed_midway_runs_again_and_its_duplicate_never(
+    cluster_factory: Callable[..., BeatCluster], broker: Any, tmp_path: Path
+) -> None:
+    cluster = cluster_factory(entries=[], extra=EXTRA)
+    app = make_app(cluster.config)
+    worker = cluster.start_worker(pool="prefork", concurrency=3)
+    results: dict[str, tuple[int, int]] = {}
+    for task in ("once_hold", "plain_hold"):
+        hold = tmp_path / f"{task}.hold"
+        hold.touch()
+        task_id = str(uuid.uuid4())
+        app.send_task(f"cnl_beat.{task}", args=[str(hold)], task_id=task_id, queue=cluster.queue)
+
+        def starts(task: str = task) -> list[Any]:
+            return cluster.ledger.runs(f"{task}:start")
+
+        wait_for(lambda: len(starts()) == 1, 60, f"{task} to start", cluster.diagnostics)
+        # A duplicate arrives while the first run is in its body.
+        app.send_task(f"cnl_beat.{task}", args=[str(hold)], task_id=task_id, queue=cluster.queue)
+        if task == "plain_hold":
+            wait_for(lambda: len(starts()) == 2, 60, "the duplicate to start", cluster.diagnostics)
+        else:
+            wait_for(
+                lambda: "running on " in worker.log(),
+                60,
+                "the duplicate to be told the id is running",
+                cluster.diagnostics,
+            )
+        # The pool process running the first run dies (the worker lives on).
+        os.kill(starts()[0].pid, signal.SIGKILL)
+        hold.unlink()
+
+        def ends(task: str = task) -> list[Any]:
+            return cluster.ledger.runs(f"{task}:end")
+
+        if task == "plain_hold":
+            # Celery: the duplicate finishes, the redelivered first run too.
+            wait_for(lambda: len(ends()) == 2, 60, "plain runs to end", cluster.diagnostics)
+        else:
+            # Redelivered (acks_late), it waits out the dead run's lease, then
+            # runs; the duplicate's retry finds it done.
+            wait_for(
+                lambda: len(ends()) == 1 and _already_ran(cluster) == 1,
+                60,
+                "the guarded run to end and its duplicate to be acknowledged",
+                cluster.diagnostics,
+            )
+        results[task] = (len(starts()), len(ends()))
+    assert results["plain_hold"] == (3, 2)  # Celery's acks_late: the body ran twice to the end
+    assert results["once_hold"] == (2, 1)  # ours: interrupted once, then run once to the end
