@@ -26,6 +26,7 @@ unlike in long-lived processes).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import sys
@@ -52,7 +53,12 @@ from celery_nats_leader.ops.bucket import (
     bucket_targets,
 )
 from celery_nats_leader.ops.bucket import outcome_lines as bucket_lines
-from celery_nats_leader.ops.events import show_events
+from celery_nats_leader.ops.events import (
+    StreamInfo,
+    ensure_events_stream,
+    show_events,
+    stream_info,
+)
 from celery_nats_leader.ops.fence import FenceOutcome, fence_leader
 from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.ops.resign import outcome_lines, outcome_to_dict, request_resignation
@@ -289,6 +295,13 @@ def _beat_is_elected(conf: Any) -> bool:
     is_flag=True,
     help="Include the beat state bucket (automatic when beat_scheduler is a leader scheduler).",
 )
+@click.option(
+    "--events-max-age",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="Keep the transition events in a stream for this long (created with --create).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for NATS.")
 @click.pass_context
@@ -301,10 +314,11 @@ def bucket(
     ttl: float | None,
     replicas: int | None,
     beat_state: bool,
+    events_max_age: float | None,
     as_json: bool,
     timeout: float,
 ) -> None:
-    """Check, create or delete the elections' KV buckets.
+    """Check, create or delete the elections' KV buckets (and the optional events stream).
 
     The election bucket needs max_age equal to the TTL and history 1; the beat
     schedule's state bucket needs history 1 and no max_age. --create makes the
@@ -335,25 +349,48 @@ def bucket(
             abort=True,
         )
 
-    async def run() -> list[BucketOutcome]:
+    async def run() -> tuple[list[BucketOutcome], StreamInfo | None]:
         name = operator_name("celery nats-leader bucket")
         async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
-            return await apply_to_buckets(backend, wanted, action, timeout=timeout)
+            found = await apply_to_buckets(backend, wanted, action, timeout=timeout)
+            stream = None
+            if events_max_age is not None and action != "delete":
+                stream = (
+                    await ensure_events_stream(
+                        backend,
+                        wanted[0].name,
+                        max_age=events_max_age,
+                        replicas=settings.bucket_replicas,
+                        timeout=timeout,
+                    )
+                    if action == "create"
+                    else await stream_info(backend, wanted[0].name, timeout=timeout)
+                )
+            return found, stream
 
     try:
-        outcomes = asyncio.run(run())
+        outcomes, stream = asyncio.run(run())
     except ElectionError as exc:
         click.echo(f"Error: cannot use the buckets: {exc}", err=True)
         ctx.exit(EXIT_ERROR)
     failing = [o for o in outcomes if o.problems]
     if as_json:
-        body = {"ok": not failing, "buckets": [o.to_dict() for o in outcomes]}
+        body: dict[str, Any] = {"ok": not failing, "buckets": [o.to_dict() for o in outcomes]}
+        if events_max_age is not None:
+            body["events_stream"] = None if stream is None else dataclasses.asdict(stream)
         click.echo(json.dumps(body, sort_keys=True))
     else:
         create = f"celery -A {app.main or '<app>'} nats-leader bucket --create"
         for outcome in outcomes:
             for style, text in bucket_lines(outcome, create_command=create):
                 click.echo(click.style(text, **_STYLES[style]) if style else text)
+        if events_max_age is not None:
+            click.echo(
+                "events stream: none (create it with --create --events-max-age)"
+                if stream is None
+                else f"events stream {stream.name!r} {'created' if stream.created else 'exists'}"
+                f" (max_age {stream.max_age:g}s, {stream.messages} events)"
+            )
     ctx.exit(EXIT_NO_LEADER if failing else EXIT_OK)
 
 

@@ -285,7 +285,7 @@ class PrometheusObserver:
 
     def set_election_error(self, role: str, instance_id: str, failing: bool) -> None:
         """Set the election-error gauge: 1 while the role's election cannot run."""
-        self.election_error.labels(role, instance_id).set(1 if failing else 0)
+        self.election_error.labels(*self._labels(role, instance_id)).set(1 if failing else 0)
 
     def set_leader(self, role: str, instance_id: str, leading: bool) -> None:
         """Set the is-leader gauge (the lease can end without a state change)."""

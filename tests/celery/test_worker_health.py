@@ -6,12 +6,12 @@ import time
 
 import pytest
 from celery import Celery
-from cnl_celery_harness import AMQP_URL, REDIS_URL
 
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.testing import free_port
 from celery_nats_leader.testing.services import require_service
 from celery_nats_leader.worker.health import broker_check, broker_reachable
+from tests.support.brokers import AMQP_URL, REDIS_URL
 
 pytestmark = [pytest.mark.celery, pytest.mark.integration]
 

@@ -17,11 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from celery_nats_leader.nats.connection import ConnectOptions, connect
-from celery_nats_leader.nats.jetstream import JetStreamBackend
-from celery_nats_leader.ops.events import ensure_events_stream
 from celery_nats_leader.testing import CandidateGroup, NatsServer
-from tests.integration.helpers import ROLE, create_bucket
+from tests.integration.helpers import ROLE
 
 pytestmark = pytest.mark.integration
 
@@ -33,14 +30,11 @@ CELERY = str(Path(sys.executable).with_name("celery"))
 
 
 @pytest.fixture
-async def app_dir(nats_server: NatsServer, tmp_path: Path) -> Path:
-    """A directory with ``opsapp.py``, a Celery app configured for this server."""
-    await create_bucket(nats_server.url, BUCKET, ttl=TTL)
-    nc = await connect(ConnectOptions.build(nats_server.url), timeout=5)
-    try:
-        await ensure_events_stream(JetStreamBackend(nc), BUCKET, max_age=600)
-    finally:
-        await nc.close()
+def app_dir(nats_server: NatsServer, tmp_path: Path) -> Path:
+    """A directory with ``opsapp.py``, a Celery app configured for this server.
+
+    The bucket and the events stream are made by the ``bucket`` command.
+    """
     (tmp_path / "opsapp.py").write_text(
         textwrap.dedent(
             f"""
@@ -56,6 +50,10 @@ async def app_dir(nats_server: NatsServer, tmp_path: Path) -> Path:
             """
         )
     )
+    made = cli(tmp_path, "bucket", "--create", "--events-max-age", "600", "--json")
+    assert made.returncode == 0, made.stdout + made.stderr
+    stream = json.loads(made.stdout)["events_stream"]
+    assert (stream["created"], stream["max_age"]) == (True, 600.0)
     return tmp_path
 
 
