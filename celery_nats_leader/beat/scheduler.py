@@ -166,7 +166,7 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             # Imported only when asked for: prometheus-client is an optional extra.
             from celery_nats_leader.prometheus import PrometheusObserver
 
-            self.nats_leader_observer = PrometheusObserver()
+            self.nats_leader_observer = PrometheusObserver(bucket=settings.bucket)
             self.nats_leader_metrics.export_to(self.nats_leader_observer.registry)
         self._closed = False
         self._unsynced = 0
