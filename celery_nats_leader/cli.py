@@ -7,12 +7,14 @@ the app's configuration::
     celery -A proj nats-leader status --json     # machine-readable
     celery -A proj nats-leader resign reports    # ask the leader of "reports" to step down
     celery -A proj nats-leader resign reports --json  # ... and report the successor as JSON
+    celery -A proj nats-leader bucket --create   # the KV buckets, with the configured TTL
 
-Exit codes: 0 all right; 1 a configured role has no leader (``status``) or no
-leader stepped down (``resign``); 2 the elections could not be read (NATS
-unreachable, bucket missing, bad configuration).
+Exit codes: 0 all right; 1 a configured role has no leader (``status``), no
+leader stepped down (``resign``) or a bucket is missing or wrong
+(``bucket``); 2 the elections could not be read (NATS unreachable, bucket
+missing, bad configuration).
 
-Both commands are thin layers over :mod:`celery_nats_leader.ops`, which the
+The commands are thin layers over :mod:`celery_nats_leader.ops`, which the
 Django management commands use too. They are one-shot: each opens a NATS
 connection, does its work and closes it (``asyncio.run`` is fine here,
 unlike in long-lived processes).
@@ -24,11 +26,12 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import click
 
 from celery_nats_leader import constants as c
-from celery_nats_leader.config import validate_key
+from celery_nats_leader.config import validate_bucket, validate_key
 from celery_nats_leader.errors import (
     BackendTimeoutError,
     ConfigError,
@@ -36,6 +39,13 @@ from celery_nats_leader.errors import (
     NotLeaderError,
 )
 from celery_nats_leader.nats import open_backend
+from celery_nats_leader.ops.bucket import (
+    BucketAction,
+    BucketOutcome,
+    apply_to_buckets,
+    bucket_targets,
+)
+from celery_nats_leader.ops.bucket import outcome_lines as bucket_lines
 from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.ops.resign import outcome_lines, outcome_to_dict, request_resignation
 from celery_nats_leader.ops.status import RoleStatus, read_status
@@ -215,6 +225,118 @@ def resign(
         for good, line in outcome_lines(outcome, wait):
             click.echo(line, err=not good)
     ctx.exit(EXIT_OK if outcome.accepted else EXIT_NO_LEADER)
+
+
+def _beat_is_elected(conf: Any) -> bool:
+    """Whether the app's beat runs under a leader scheduler (then it needs a state bucket)."""
+    scheduler = conf.get("beat_scheduler")
+    text = scheduler if isinstance(scheduler, str) else getattr(scheduler, "__module__", "")
+    return "nats_leader" in str(text)
+
+
+@nats_leader.command()
+@click.option(
+    "--check",
+    "action",
+    flag_value="check",
+    default=True,
+    help="Print each bucket's settings and whether they fit (the default).",
+)
+@click.option("--create", "action", flag_value="create", help="Create the missing buckets.")
+@click.option(
+    "--delete",
+    "action",
+    flag_value="delete",
+    help="Delete the buckets: every role's record (epochs restart) and the beat state.",
+)
+@click.option("--yes", is_flag=True, help="Do not ask before --delete.")
+@click.option("--bucket", "only", default=None, help="Only this election bucket.")
+@click.option("--ttl", type=float, default=None, help="max_age in seconds (default: the TTL).")
+@click.option(
+    "--replicas",
+    type=int,
+    default=None,
+    help="Replicas when creating (default: nats_leader_bucket_replicas); "
+    "when given, an existing bucket must have as many.",
+)
+@click.option(
+    "--beat-state",
+    is_flag=True,
+    help="Include the beat state bucket (automatic when beat_scheduler is a leader scheduler).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for NATS.")
+@click.pass_context
+def bucket(
+    ctx: click.Context,
+    *,
+    action: BucketAction,
+    yes: bool,
+    only: str | None,
+    ttl: float | None,
+    replicas: int | None,
+    beat_state: bool,
+    as_json: bool,
+    timeout: float,
+) -> None:
+    """Check, create or delete the elections' KV buckets.
+
+    The election bucket needs max_age equal to the TTL and history 1; the beat
+    schedule's state bucket needs history 1 and no max_age. --create makes the
+    missing ones with exactly those settings (no `nats` CLI needed) and never
+    changes an existing one. Exits 1 when a bucket is missing or does not fit,
+    2 when NATS cannot be used.
+    """
+    settings = _settings(ctx)
+    app = ctx.find_root().obj.app
+    try:
+        wanted = bucket_targets(
+            settings,
+            bucket=only,
+            ttl=ttl,
+            replicas=replicas,
+            beat_state=beat_state or _beat_is_elected(app.conf),
+        )
+        for target in wanted:
+            validate_bucket(target.name)
+    except ConfigError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+    if action == "delete" and not yes:
+        names = ", ".join(repr(t.name) for t in wanted)
+        click.confirm(
+            f"Delete {names}? Every role's record goes (epochs restart at 1, so clear any "
+            "fence that remembers them) and so does the beat schedule's state",
+            abort=True,
+        )
+
+    async def run() -> list[BucketOutcome]:
+        name = operator_name("celery nats-leader bucket")
+        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
+            return await apply_to_buckets(backend, wanted, action, timeout=timeout)
+
+    try:
+        outcomes = asyncio.run(run())
+    except ElectionError as exc:
+        click.echo(f"Error: cannot use the buckets: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+    failing = [o for o in outcomes if o.problems]
+    if as_json:
+        body = {"ok": not failing, "buckets": [o.to_dict() for o in outcomes]}
+        click.echo(json.dumps(body, sort_keys=True))
+    else:
+        create = f"celery -A {app.main or '<app>'} nats-leader bucket --create"
+        for outcome in outcomes:
+            for style, text in bucket_lines(outcome, create_command=create):
+                click.echo(click.style(text, **_STYLES[style]) if style else text)
+    ctx.exit(EXIT_NO_LEADER if failing else EXIT_OK)
+
+
+_STYLES: dict[str, dict[str, Any]] = {
+    "heading": {"bold": True},
+    "error": {"fg": "red"},
+    "success": {"fg": "green"},
+}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -60,9 +60,14 @@ MAX_PRIORITY_LAG_SECONDS = 0.5
 #: once; the others follow a step apart (plus the jitter), in case it is gone.
 SUCCESSOR_STEP_SECONDS = 0.002
 
-#: A roster entry not refreshed for this many heartbeats is dropped: followers
-#: announce themselves every heartbeat, crashed candidates stop doing so.
+#: A roster entry not refreshed for this many heartbeats is dropped: the
+#: first followers in line announce themselves every heartbeat, crashed
+#: candidates stop doing so.
 ROSTER_EXPIRY_HEARTBEATS = 3
+
+#: How many followers at the front of the line announce themselves every
+#: heartbeat (the others stay silent: N announcing to N is N² messages).
+ANNOUNCED_SUCCESSORS = 3
 
 #: Seconds beyond the TTL after which a follower deletes a record it saw
 #: unchanged (conditionally at that revision) instead of waiting for the

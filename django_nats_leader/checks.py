@@ -243,13 +243,14 @@ def check_server(
         ttls = wanted[bucket]
         ttl = next(iter(ttls)) if len(ttls) == 1 else None
         if info is None:
+            create_ttl = ttl if ttl is not None else settings.ttl
             if not settings.create_bucket:
                 found.append(
                     checks.Error(
                         f"KV bucket {bucket!r} does not exist on {servers}.",
                         hint=(
                             "Create it once with `manage.py election_bucket --create` (or "
-                            f"`nats kv add {bucket} --ttl {ttl or DEFAULT_TTL_SECONDS:g}s "
+                            f"`nats kv add {bucket} --ttl {create_ttl:g}s "
                             "--history 1`), or set NATS_LEADER['CREATE_BUCKET'] = True."
                         ),
                         id="nats_leader.E011",

@@ -24,8 +24,8 @@ from celery_nats_leader import (
     ElectionConfig,
     FencingToken,
     LeaderRecord,
+    new_election,
 )
-from celery_nats_leader.election import new_election
 
 _PRINT = threading.Lock()
 

@@ -21,18 +21,18 @@ import threading
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Task
 from celery.exceptions import Ignore
 
-from celery_nats_leader.backend import Bucket
-from celery_nats_leader.errors import BackendTimeoutError, ElectionError, RecordFormatError
-from celery_nats_leader.loop_thread import EventLoopThread
-from celery_nats_leader.nats.connection import ConnectOptions, connect
-from celery_nats_leader.record import decode_record
+from celery_nats_leader.errors import ElectionError, RecordFormatError
 from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.term import TermReader
 from celery_nats_leader.token import FencingToken
+
+if TYPE_CHECKING:
+    from celery_nats_leader.nats.connection import ConnectOptions
 
 __all__ = [
     "DISPATCHER_HEADER",
@@ -105,10 +105,11 @@ def _request_headers(request: Any) -> Mapping[str, Any]:
 class DispatchFence:
     """Reads the current term of a role, for the worker-side check.
 
-    One per process and settings (:meth:`for_settings`); it opens its own NATS
-    connection on its own loop thread at first use, and remembers the highest
-    epoch it has seen (epochs only grow), so that tokens older than that are
-    refused without a round trip.
+    One per process and settings (:meth:`for_settings`); it reads through a
+    :class:`~celery_nats_leader.term.TermReader` (its own connection on its
+    own loop thread, opened at first use), and remembers the highest epoch it
+    has seen (epochs only grow), so that tokens older than that are refused
+    without a round trip.
 
     Args:
         connection: Where and how to connect.
@@ -122,11 +123,9 @@ class DispatchFence:
 
     def __init__(self, connection: ConnectOptions, bucket: str, *, timeout: float = 2.0) -> None:
         self.pid = os.getpid()
-        self.connection = connection
         self.bucket_name = bucket
         self.timeout = timeout
-        self._loop = EventLoopThread(name="nats-leader-fence")
-        self._bucket: Bucket | None = None
+        self.reader = TermReader(connection, bucket, name="nats-leader-fence")
         self._highest: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -148,43 +147,23 @@ class DispatchFence:
     def current_epoch(self, role: str) -> int | None:
         """The epoch of ``role``'s current term (``None``: nobody leads it now).
 
+        A value that is not a leader record counts as a term newer than any
+        before it (its revision).
+
         Raises:
             ElectionError: The term could not be read.
 
         """
+        term = self.reader.read(role, timeout=self.timeout)
+        if term is None:
+            return None
         with self._lock:
-            self._loop.start()
-        try:
-            epoch = self._loop.run(self._read(role), self.timeout + 1.0)
-        except (TimeoutError, RuntimeError) as exc:
-            raise BackendTimeoutError(f"could not read the term of {role!r}: {exc}") from exc
-        if epoch is not None:
-            with self._lock:
-                self._highest[role] = max(self._highest.get(role, 0), epoch)
-        return epoch
+            self._highest[role] = max(self._highest.get(role, 0), term.epoch)
+        return term.epoch
 
     def highest_epoch(self, role: str) -> int:
         """The highest epoch of ``role`` seen by this process (0 if none)."""
         return self._highest.get(role, 0)
-
-    async def _read(self, role: str) -> int | None:
-        bucket = self._bucket
-        if bucket is None:
-            from celery_nats_leader.nats.jetstream import JetStreamBackend
-
-            nc = await connect(self.connection, timeout=self.timeout, name="nats-leader-fence")
-            bucket = await JetStreamBackend(nc).open_bucket(
-                self.bucket_name, ttl=None, create=False, replicas=1, timeout=self.timeout
-            )
-            self._bucket = bucket
-        entry = await bucket.get(role, timeout=self.timeout)
-        if entry is None:
-            return None
-        try:
-            return decode_record(entry.value, entry.revision).epoch
-        except RecordFormatError:
-            # Not our record: somebody else's term, of an unknown epoch.
-            return entry.revision
 
     def check(self, role: str, token: FencingToken) -> DispatchCheck:
         """Whether a message sent under ``token`` may still run.

@@ -131,15 +131,19 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
     display only. Configuration comes from the app's ``nats_leader_*``
     settings (see :class:`~celery_nats_leader.settings.LeaderSettings`).
 
-    The mixin only adapts Celery's hooks; the work is done by parts composed
-    in: :class:`~celery_nats_leader.beat.election.BeatElection` (the role),
-    :class:`~celery_nats_leader.beat.ticks.TickPlanner` (which tick is due)
-    and :class:`~celery_nats_leader.beat.dispatcher.TickDispatcher`
+    As Celery's scheduler, it asks each entry's ``is_due()`` whether it is
+    due and when to ask again. The mixin only adapts Celery's hooks; the work
+    is done by parts composed in, none of which imports Celery:
+    :class:`~celery_nats_leader.beat.election.BeatElection` (the role),
+    :class:`~celery_nats_leader.beat.agenda.Agenda` (when to ask each entry
+    again), :class:`~celery_nats_leader.beat.ticks.TickPlanner` (a due tick's
+    slot, catch-up) and :class:`~celery_nats_leader.beat.dispatcher.TickDispatcher`
     (validate, commit, send, revert).
 
-    Override :meth:`dispatch_gate` for entry-level rules (enabled flags, start
-    dates) and :meth:`record_run` to mirror a dispatch into the wrapped
-    scheduler's storage.
+    Hooks for subclasses: :meth:`prepare_entry`, :meth:`earliest_slot`,
+    :meth:`same_entry`, :meth:`catches_up`, :meth:`dispatch_gate` and
+    :meth:`record_run` (the Django scheduler overrides the first three and the
+    last).
     """
 
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:

@@ -17,6 +17,10 @@ skew can shift when a tick fires but cannot make the same tick fire twice
 (the KV commit is keyed by slot) or skip one (the next slot is always the one
 after the last committed slot, however late).
 
+*Whether* an entry is due is its ``is_due()``'s answer (the Celery mixin asks
+it); :class:`TickPlanner` then names the due tick and applies catch-up, in a
+bounded number of ``remaining_estimate()`` calls whatever the gap.
+
 This module imports neither Celery nor Django: schedules are used through
 ``now()``, ``nowfun`` and ``remaining_estimate()`` only.
 """

@@ -4,11 +4,14 @@
   implements, and :func:`new_election`, which builds the configured one.
 * :mod:`.base`: :class:`~.base.BaseElection`, the plumbing both strategies
   share (states, demote reasons, callbacks, start/teardown, control requests).
-* :mod:`.kv`: :class:`Election`, the JetStream KV strategy (the default).
+* :mod:`.kv`: :class:`Election`, the JetStream KV strategy (the default),
+  with :mod:`.follower_view` (what a follower saw, and when to act) and
+  :mod:`.roster` (the candidates it knows, and its place in line).
 * :mod:`.allcall` and :mod:`.allcall_protocol`: the ALLCALL strategy and its
   wire format (plain publish/subscribe, no JetStream).
 * :mod:`.health`, :mod:`.callbacks`, :mod:`.observer`: health-check demotion,
   running user callbacks, and the metrics hooks.
+* :mod:`.services`: leader services, code that runs only while leading.
 
 The state machines talk to NATS only through a
 :class:`~celery_nats_leader.backend.Backend`.

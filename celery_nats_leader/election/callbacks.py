@@ -44,8 +44,9 @@ class DaemonExecutor(concurrent.futures.Executor):
         self._calls: queue.SimpleQueue[
             tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]] | None
         ] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     def submit(  # type: ignore[override]  # positional arguments only
         self, fn: Callable[..., Any], /, *args: Any
@@ -53,13 +54,20 @@ class DaemonExecutor(concurrent.futures.Executor):
         """Queue ``fn(*args)``; returns its future."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._calls.put((future, fn, args))
+        with self._lock:
+            if self._thread is None:
+                # Started on first use: many elections in one process, most
+                # with no synchronous callback, need no thread each.
+                self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+                self._thread.start()
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop after the calls queued so far (``wait`` joins the thread)."""
         self._calls.put(None)
-        if wait:
-            self._thread.join()
+        thread = self._thread
+        if wait and thread is not None:
+            thread.join()
 
     def _work(self) -> None:
         while True:

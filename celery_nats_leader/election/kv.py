@@ -187,15 +187,13 @@ class Election(BaseElection):
         if self._view.present:
             self._decided.set()
         self._subscriptions.append(await self._bucket.watch(cfg.role, self._on_watch))
-        # Every candidate answers a hello to our own inbox (one small message
-        # each, not a broadcast), so that we know our place in line at once.
-        roster = control_subject(cfg.bucket, cfg.role, c.ROSTER_VERB)
-        inbox = f"{roster}.{uuid.uuid4().hex}"
-        self._subscriptions.append(await backend.subscribe(inbox, self._on_roster))
-        await self._announce(
-            {"hello": {"id": cfg.instance_id, "priority": cfg.priority}}, reply=inbox
+        await self._announce({"hello": {"id": cfg.instance_id, "priority": cfg.priority}})
+        # The first "here" at a random point of the first heartbeat: candidates
+        # that started together then hear of those ahead of them first, and
+        # most of them stay silent (see _follow).
+        self._next_announce_at = self._clock.monotonic() + self._rng.uniform(
+            0.0, cfg.heartbeat_interval
         )
-        self._next_announce_at = self._clock.monotonic() + cfg.heartbeat_interval
         self._set_state(ElectionState.FOLLOWER)
 
     async def _abandon_start(self) -> None:
@@ -448,10 +446,17 @@ class Election(BaseElection):
             await self._campaign()
             return
         if now >= self._next_announce_at:
-            # Followers keep their roster entries alive; a leader need not
-            # (its record says it is there, and it is never in line itself).
             self._next_announce_at = now + cfg.heartbeat_interval
-            await self._announce({"here": {"id": cfg.instance_id, "priority": cfg.priority}})
+            # Only the first few in line for the next term keep their roster
+            # entries alive: the order matters only at the front (behind it,
+            # candidates campaign a few steps late, still spread out), and N
+            # candidates announcing to N would cost N² messages a heartbeat.
+            # A leader never announces: it is not in line.
+            points, rank = self._roster.place(
+                now, leaving=self._leader.id if self._leader is not None else None
+            )
+            if points == 0 and rank < c.ANNOUNCED_SUCCESSORS:
+                await self._announce({"here": {"id": cfg.instance_id, "priority": cfg.priority}})
             return
         if now >= resync_at:
             await self._resync()
@@ -462,6 +467,7 @@ class Election(BaseElection):
         """Read the key: backs up a watch that may miss expiries or go blind."""
         assert self._bucket is not None
         self._last_read_at = self._clock.monotonic()
+        known = self._view.revision
         try:
             entry = await self._bucket.get(self.role, timeout=self.config.request_timeout)
         except PERMANENT_ERRORS:
@@ -472,6 +478,8 @@ class Election(BaseElection):
         # A successful read says nothing about writes: with JetStream out of
         # storage reads succeed while every create fails. Only a write's
         # answer resets the backoff, or the breaker would never open.
+        if self._view.revision != known:
+            return  # the watch told us something newer while we read
         if entry is None and self._view.present:
             # Gone without an event: expired. Campaign now (after jitter).
             self._observe(None, authoritative=True)
@@ -606,6 +614,10 @@ class Election(BaseElection):
             # Renewed, released or expired by the server meanwhile: learn which.
             entry = await self._read_quietly()
             self._set_state(ElectionState.FOLLOWER)
+            if self._view.revision != revision:
+                # The watch delivered something newer while we wrote or read:
+                # it is newer than our read (which may predate it) too.
+                return None
             if entry is not None and entry.revision == revision:
                 self._retry_later()  # the store still shows it: never spin
             else:
@@ -623,7 +635,7 @@ class Election(BaseElection):
         return deleted
 
     async def _after_lost_campaign(self, expected_revision: int, expected_present: bool) -> None:
-        """The key is held: learn by whom, or retry if it is only slow to expire.
+        """The key is held: learn by whom, or come back when its record may be deleted as expired.
 
         Args:
             expected_revision: The key's revision we knew of when we decided to campaign.
@@ -964,15 +976,13 @@ class Election(BaseElection):
         except ElectionError as exc:
             logger.warning("%s: could not release the key (%s); it will expire", self.role, exc)
 
-    async def _announce(self, body: dict[str, Any], reply: str | None = None) -> None:
+    async def _announce(self, body: dict[str, Any]) -> None:
         if self._backend is None:
             return
         cfg = self.config
         with contextlib.suppress(ElectionError):
             await self._backend.publish(
-                control_subject(cfg.bucket, cfg.role, c.ROSTER_VERB),
-                json.dumps(body).encode(),
-                reply,
+                control_subject(cfg.bucket, cfg.role, c.ROSTER_VERB), json.dumps(body).encode()
             )
 
     async def _on_roster(self, data: bytes, reply: str | None) -> None:
@@ -982,22 +992,17 @@ class Election(BaseElection):
             return
         if isinstance(body, dict):
             hello = body.get("hello")
-            if isinstance(hello, dict) and isinstance(hello.get("id"), str) and reply:
-                # A newcomer asks who is there: answer it alone.
-                self._roster.heard(hello["id"], _priority(hello), self._clock.monotonic())
-                if hello["id"] != self.instance_id and self._backend is not None:
-                    await self._respond(
-                        reply, {"known": {"id": self.instance_id, "priority": self.config.priority}}
-                    )
-                return
             if isinstance(hello, dict) and isinstance(hello.get("id"), str):
-                # A hello without an inbox (a candidate of an older version).
                 priority = _priority(hello)
                 self._roster.heard(hello["id"], priority, self._clock.monotonic())
                 # Introduce ourselves back only if we are preferred over the
                 # newcomer (a broadcast from every member to every newcomer
                 # cost N² messages when N candidates started together).
-                if hello["id"] != self.instance_id and self.config.priority > priority:
+                if (
+                    hello["id"] != self.instance_id
+                    and reply is None
+                    and self.config.priority > priority
+                ):
                     await self._announce(
                         {"known": {"id": self.instance_id, "priority": self.config.priority}}
                     )

@@ -73,16 +73,19 @@ _TTL_TOLERANCE = 0.001
 def _bucket_missing_message(name: str, ttl: float) -> str:
     return (
         f"KV bucket {name!r} does not exist. Create it once with "
-        f"`nats kv add {name} --ttl {ttl:g}s --history 1` or `manage.py election_bucket "
-        f"--create`, or set create_bucket=True (nats_leader_create_bucket in Celery)."
+        f"`celery -A <app> nats-leader bucket --create` or `manage.py election_bucket --create` "
+        f"(both use the configured TTL), or `nats kv add {name} --ttl {ttl:g}s --history 1`; "
+        f"or set create_bucket=True (nats_leader_create_bucket in Celery)."
     )
 
 
 def _persistent_bucket_missing_message(name: str) -> str:
     return (
         f"KV bucket {name!r} does not exist. Create it once with "
-        f"`nats kv add {name} --history 1` (no --ttl: its data must not expire), "
-        f"or set create_bucket=True (nats_leader_create_bucket in Celery)."
+        f"`celery -A <app> nats-leader bucket --create --beat-state`, `manage.py "
+        f"election_bucket --create --beat-state` or `nats kv add {name} --history 1` (no --ttl: "
+        f"its data must not expire), or set create_bucket=True (nats_leader_create_bucket in "
+        f"Celery)."
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from celery_nats_leader.backend import Backend, BucketInfo
 from celery_nats_leader.errors import BucketNotFoundError, ElectionError, JetStreamUnavailableError
@@ -104,6 +105,196 @@ async def delete_bucket(backend: Backend, bucket: str, *, timeout: float = 5.0) 
     return existed
 
 
+#: What a bucket holds: election keys, or the beat schedule's state.
+ELECTION, BEAT_STATE = "election", "beat_state"
+
+#: What an operator command does with the buckets.
+BucketAction = Literal["check", "create", "delete"]
+
+
+@dataclass(frozen=True)
+class BucketTarget:
+    """A bucket an operator command inspects, creates or deletes.
+
+    Attributes:
+        name: The bucket.
+        kind: :data:`ELECTION` or :data:`BEAT_STATE`.
+        ttl: The ``max_age`` it must have (``None`` for the beat state: none).
+        replicas: Replicas when creating it.
+        expect_replicas: Replicas an existing one must have (``--replicas``), if any.
+
+    """
+
+    name: str
+    kind: str
+    ttl: float | None
+    replicas: int
+    expect_replicas: int | None = None
+
+    @property
+    def persistent(self) -> bool:
+        """Whether its data must never expire."""
+        return self.kind == BEAT_STATE
+
+
+@dataclass(frozen=True)
+class BucketOutcome:
+    """One bucket after a command: its settings and problems, or that it is missing or gone.
+
+    Attributes:
+        target: The bucket.
+        info: Its settings (``None``: missing, or deleted).
+        problems: What is wrong with it, each saying what to change.
+        deleted: For ``delete``: whether it existed and was deleted (else ``None``).
+
+    """
+
+    target: BucketTarget
+    info: BucketInfo | None
+    problems: list[str]
+    deleted: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """One entry of the commands' ``--json`` ``buckets`` list."""
+        body: dict[str, Any] = {"name": self.target.name, "kind": self.target.kind}
+        if self.deleted is not None:
+            body.update(exists=False, deleted=self.deleted, problems=self.problems)
+        elif self.info is None:
+            body.update(exists=False, problems=self.problems)
+        else:
+            info = self.info.to_dict()
+            info.pop("name")
+            body.update(exists=True, **info, problems=self.problems)
+        return body
+
+
+def expected_ttl(settings: LeaderSettings, bucket: str) -> float:
+    """The TTL the roles using ``bucket`` want (the base ``ttl`` if none or several)."""
+    ttls = bucket_ttls(settings).get(bucket, set())
+    return next(iter(ttls)) if len(ttls) == 1 else settings.ttl
+
+
+def bucket_targets(
+    settings: LeaderSettings,
+    *,
+    bucket: str | None = None,
+    ttl: float | None = None,
+    replicas: int | None = None,
+    beat_state: bool = False,
+) -> list[BucketTarget]:
+    """The buckets an operator command works on.
+
+    Args:
+        settings: The elections' settings.
+        bucket: Only this election bucket (default: the settings' bucket, and
+            the beat state bucket with ``beat_state``).
+        ttl: ``max_age`` to create with and expect (default: the configured TTL).
+        replicas: Replicas to create with and, when given, to expect.
+        beat_state: Include the beat schedule's state bucket (no ``max_age``).
+
+    Returns:
+        The election bucket first, then the beat state bucket if asked for.
+
+    """
+    create_replicas = replicas if replicas is not None else settings.bucket_replicas
+    name = bucket or settings.bucket
+    found = [
+        BucketTarget(
+            name,
+            ELECTION,
+            ttl if ttl is not None else expected_ttl(settings, name),
+            create_replicas,
+            replicas,
+        )
+    ]
+    if bucket is None and beat_state:
+        found.append(
+            BucketTarget(settings.beat_state_bucket, BEAT_STATE, None, create_replicas, replicas)
+        )
+    return found
+
+
+async def apply_to_buckets(
+    backend: Backend, targets: Iterable[BucketTarget], action: BucketAction, *, timeout: float
+) -> list[BucketOutcome]:
+    """Check, create (missing ones only) or delete each bucket of ``targets``.
+
+    An existing bucket is never changed: a wrong one is reported with its
+    problems (which say how to fix it, with the configured TTL).
+
+    Raises:
+        JetStreamUnavailableError: The server has no JetStream.
+
+    """
+    found: list[BucketOutcome] = []
+    for target in targets:
+        if action == "delete":
+            existed = await delete_bucket(backend, target.name, timeout=timeout)
+            found.append(BucketOutcome(target, None, [], deleted=existed))
+            continue
+        try:
+            if action == "create":
+                info = await ensure_bucket(
+                    backend,
+                    target.name,
+                    ttl=target.ttl,
+                    replicas=target.replicas,
+                    timeout=timeout,
+                    persistent=target.persistent,
+                )
+            else:
+                info = await bucket_info(backend, target.name, timeout=timeout)
+        except BucketNotFoundError:
+            found.append(
+                BucketOutcome(target, None, ["does not exist: run with --create to create it"])
+            )
+            continue
+        problems = info.problems(
+            ttl=target.ttl, replicas=target.expect_replicas, persistent=target.persistent
+        )
+        found.append(BucketOutcome(target, info, problems))
+    return found
+
+
+def outcome_lines(outcome: BucketOutcome, *, create_command: str) -> list[tuple[str, str]]:
+    """What the operator commands print about one bucket.
+
+    Args:
+        outcome: The bucket after the command.
+        create_command: The command that creates it, for the hint.
+
+    Returns:
+        ``(style, text)`` pairs; style is ``"heading"``, ``"error"``,
+        ``"success"`` or ``""``, for the front-end to colour.
+
+    """
+    target, info = outcome.target, outcome.info
+    what = "election bucket" if target.kind == ELECTION else "beat state bucket"
+    if outcome.deleted is not None:
+        if outcome.deleted:
+            return [("heading", f"{what} {target.name!r} deleted")]
+        return [("", f"{what} {target.name!r} does not exist (nothing to delete)")]
+    if info is None:
+        return [
+            ("error", f"{what} {target.name!r} does not exist"),
+            ("", f"  create it with `{create_command}`"),
+        ]
+    verb = "created" if info.created else "exists"
+    lines = [("heading", f"{what} {info.name!r} {verb}")]
+    for label, item in (
+        ("max_age (TTL)", f"{info.ttl:g}s" if info.ttl else "none"),
+        ("history", str(info.history)),
+        ("replicas", str(info.replicas)),
+        ("storage", info.storage),
+        ("entries", str(info.keys)),
+    ):
+        lines.append(("", f"  {label:<15}{item}"))
+    lines += [("error", f"  problem: {problem}") for problem in outcome.problems]
+    if not outcome.problems:
+        lines.append(("success", "  fits the election settings"))
+    return lines
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     """What a deploy-time probe of NATS found.
@@ -140,11 +331,20 @@ async def probe(settings: LeaderSettings, buckets: Iterable[str], *, timeout: fl
 
 
 __all__ = [
+    "BEAT_STATE",
+    "ELECTION",
+    "BucketAction",
     "BucketInfo",
+    "BucketOutcome",
+    "BucketTarget",
     "ProbeResult",
+    "apply_to_buckets",
     "bucket_info",
+    "bucket_targets",
     "bucket_ttls",
     "delete_bucket",
     "ensure_bucket",
+    "expected_ttl",
+    "outcome_lines",
     "probe",
 ]

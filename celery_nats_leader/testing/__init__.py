@@ -17,8 +17,10 @@ exercise leader election against a real ``nats-server`` instead of mocks:
   as JSON lines, and can kill, pause, resume and command them.
 
 One module per part: :mod:`.ports`, :mod:`.nats_server`, :mod:`.cluster`,
-:mod:`.fault_proxy`, :mod:`.candidate` (the child program),
-:mod:`.candidate_control` (the parent side), :mod:`.process`, :mod:`.services`.
+:mod:`.server_binaries`, :mod:`.fault_proxy`, :mod:`.candidate` (the child
+program), :mod:`.candidate_control` (the parent side), :mod:`.process`,
+:mod:`.services`, :mod:`.soak` + :mod:`.soak_child` + :mod:`.checker` (the
+chaos soak and its independent checker).
 
 The ``nats-server`` binary is looked up by :func:`find_nats_server_binary`
 (``$NATS_SERVER_BIN``, ``$NATS_SERVER_VERSION``, ``PATH``, then

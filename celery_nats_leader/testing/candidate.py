@@ -15,6 +15,8 @@ ready        ``start()`` returned (``state``, ``leader_id``)
 promoted     this candidate leads (``epoch``)
 demoted      it stopped leading (``reason``, a :class:`DemoteReason` value)
 leader       the leader it observes changed (``leader_id``, ``epoch``)
+renewed      a renewal was confirmed (``sent``: when it was sent; the lease
+             runs until ``sent + ttl - lease_margin``)
 validate     answer to ``validate`` (``result``, ``epoch``)
 status       answer to ``status`` (``status``: :meth:`Election.describe`)
 resigned     answer to ``resign``
@@ -68,6 +70,27 @@ class _Printer:
         with self._lock:
             self._out.write(line + "\n")
             self._out.flush()
+
+
+class _RenewalPrinter:
+    """An election observer that prints each confirmed renewal's send time."""
+
+    def __init__(self, printer: _Printer) -> None:
+        self._printer = printer
+
+    def state_changed(self, role: str, instance_id: str, old: str, new: str) -> None:
+        """Ignore (the callbacks report what matters)."""
+
+    def campaign(self, role: str, instance_id: str, won: bool) -> None:
+        """Ignore."""
+
+    def heartbeat(self, role: str, instance_id: str, seconds: float, ok: bool) -> None:
+        """Print ``renewed`` with the send time of a confirmed renewal."""
+        if ok:
+            self._printer.emit("renewed", sent=time.monotonic() - seconds)
+
+    def validation(self, role: str, instance_id: str, ok: bool) -> None:
+        """Ignore."""
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -192,7 +215,8 @@ async def _run(args: argparse.Namespace, printer: _Printer) -> int:
         printer.emit("error", error=type(exc).__name__, message=str(exc))
         return 2
     async with backend:
-        return await _elect(args, printer, Election(config, backend), listener)
+        election = Election(config, backend, observer=_RenewalPrinter(printer))
+        return await _elect(args, printer, election, listener)
 
 
 async def _elect(

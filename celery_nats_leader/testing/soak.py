@@ -107,7 +107,13 @@ class SoakOptions:
             their ticks; they need ``beat_app_dir`` and ``broker_url``.
         beat_app_dir: The directory of the beat tests' Celery app
             (``tests/beat``: ``cnl_beat_app`` and its ledger).
-        broker_url: The beat's broker (Redis or RabbitMQ).
+        broker_url: The broker of beat and the workers (Redis or RabbitMQ).
+        workers: Celery workers running leader-only tasks (0: none); they
+            need ``celery_app_dir`` and ``broker_url``. A sender sends one
+            task every ``task_interval`` seconds while the faults run.
+        celery_app_dir: The directory of the Celery tests' app
+            (``tests/celery``: ``cnl_celery_app`` and its ledger).
+        task_interval: Seconds between two leader-only tasks.
 
     """
 
@@ -126,18 +132,22 @@ class SoakOptions:
     beats: int = 0
     beat_app_dir: Path | None = None
     broker_url: str = ""
+    workers: int = 0
+    celery_app_dir: Path | None = None
+    task_interval: float = 0.25
 
 
 class _Candidate:
     """A soak process: an election candidate (behind its own fault proxies) or a beat."""
 
-    def __init__(self, soak: Soak, name: str, *, beat: bool = False) -> None:
+    def __init__(self, soak: Soak, name: str, *, kind: str = "candidate") -> None:
         self.soak = soak
         self.name = name
-        self.beat = beat
+        self.kind = kind
+        self.beat = kind != "candidate"  # a Celery process: no proxies, its own program
         self.proxies = (
             []
-            if beat
+            if self.beat
             else [ThreadedFaultProxy(server.host, server.port) for server in soak.cluster.servers]
         )
         for proxy in self.proxies:
@@ -163,8 +173,11 @@ class _Candidate:
                 self._end_logged = True
 
     def _start(self) -> None:
-        if self.beat:
+        if self.kind == "beat":
             self._spawn(self.soak.beat_command(self.name), self.soak.beat_env())
+            return
+        if self.kind == "worker":
+            self._spawn(self.soak.worker_command(self.name), self.soak.worker_env())
             return
         opts = self.soak.options
         cmd = [sys.executable, "-m", CHILD_MODULE, "--id", self.name]
@@ -195,6 +208,7 @@ class _Candidate:
         finally:
             log.close()
         self._end_logged = False
+        self.soak.names[self.process.pid] = self.name
 
     @property
     def alive(self) -> bool:
@@ -242,11 +256,27 @@ class Soak:
             extra_args=["-c", str(self.config_path)],
         )
         self.candidates: list[_Candidate] = []
+        self.names: dict[int, str] = {}  # pid -> process name (the ledgers know pids)
         self.beat_role = f"beat-{run_id}"
         self.beat_queue = f"soak-{run_id}"
         self.ledger_path = self.workdir / "ledger.sqlite3"
         self.t0 = time.time()
         self.worker: subprocess.Popen[bytes] | None = None
+        self.task_role = f"tasks-{run_id}"
+        self.tasks_ledger = self.workdir / "tasks.sqlite3"
+        self.celery_config: dict[str, Any] = {
+            "broker_url": options.broker_url,
+            "default_queue": f"soak-default-{run_id}",
+            "nats_url": "",  # set once the cluster runs
+            "bucket": self.bucket,
+            "roles": [self.task_role],
+            "ttl": options.ttl,
+            "queue_prefix": f"soak-leader-{run_id}.",
+            "ledger": str(self.tasks_ledger),
+            "start_timeout": 30.0,
+        }
+        self._sender: threading.Thread | None = None
+        self._sent = 0
         self._leaders: dict[str, str] = {}
         self._offsets: dict[Path, int] = {}
         self._node_fault = threading.Lock()
@@ -395,7 +425,7 @@ class Soak:
         finally:
             log.close()
         for i in range(self.options.beats):
-            beat = _Candidate(self, f"beat{i + 1}", beat=True)
+            beat = _Candidate(self, f"beat{i + 1}", kind="beat")
             self.candidates.append(beat)
             beat.ensure_running()
         # Faults start once beat runs: its first tick executed.
@@ -429,6 +459,102 @@ class Soak:
             for entry, tick, task_id, pid, mono in rows:
                 minute = int(parse_slot(tick).timestamp() // 60)
                 log.emit("run", t=mono, tick=f"{entry}@{minute}", task=task_id, worker=pid)
+        finally:
+            log.close()
+
+    # ----------------------------------------------------------------- workers
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment of the leader-only task workers (``cnl_celery_app``)."""
+        assert self.options.celery_app_dir is not None
+        app_dir = self.options.celery_app_dir
+        env = dict(os.environ)
+        env["CNL_CONFIG"] = json.dumps(self.celery_config)
+        env["PYTHONPATH"] = os.pathsep.join([str(app_dir), str(app_dir.parent.parent)])
+        env.pop("DJANGO_SETTINGS_MODULE", None)
+        return env
+
+    def worker_command(self, name: str) -> list[str]:
+        """The command of worker ``name`` (threads pool: a killed worker leaves no orphans)."""
+        celery = str(Path(sys.executable).with_name("celery"))
+        queue = self.celery_config["default_queue"]
+        return [
+            *(celery, "-A", "cnl_celery_app", "worker", "-P", "threads", "-c", "2"),
+            *("-n", f"{name}-{self.bucket}@%h", "-Q", queue),
+            *("--without-heartbeat", "--without-gossip", "--without-mingle"),
+        ]
+
+    def _celery_module(self, name: str) -> Any:
+        assert self.options.celery_app_dir is not None
+        path = str(self.options.celery_app_dir)
+        sys.path.insert(0, path)
+        try:
+            return __import__(name)
+        finally:
+            sys.path.remove(path)
+
+    def _start_worker_part(self) -> None:
+        self.celery_config["nats_url"] = ",".join(self.cluster.urls)
+        self._celery_module("cnl_celery_ledger").Ledger(str(self.tasks_ledger)).create()
+        for i in range(self.options.workers):
+            worker = _Candidate(self, f"worker{i + 1}", kind="worker")
+            self.candidates.append(worker)
+            worker.ensure_running()
+        app = self._celery_module("cnl_celery_app").make_app(self.celery_config)
+        task = app.tasks["cnl.record"]
+        sent_log = EventLog(self.events_dir / "sender.jsonl", "sender")
+
+        def send() -> None:
+            seq = 0
+            try:
+                while not self._stop_sending.wait(self.options.task_interval):
+                    seq += 1
+                    try:
+                        task.apply_async(args=(seq,))
+                    except Exception as exc:
+                        logger.warning("soak: sending task %d failed: %s", seq, exc)
+                        continue
+                    sent_log.emit("sent", task=str(seq))
+                    self._sent = seq
+            finally:
+                sent_log.close()
+
+        self._stop_sending = threading.Event()
+        self._sender = threading.Thread(target=send, name="task-sender", daemon=True)
+        self._sender.start()
+
+    def _committed(self) -> int:
+        with contextlib.closing(sqlite3.connect(str(self.tasks_ledger), timeout=30)) as db:
+            return int(db.execute("SELECT COUNT(*) FROM commits").fetchone()[0])
+
+    def _stop_worker_part(self) -> None:
+        """Stop sending, let the leader run what was sent, record the ledger as events."""
+        if self._sender is None:
+            return
+        self._stop_sending.set()
+        self._sender.join(30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and self._committed() < self._sent:
+            time.sleep(0.2)
+        log = EventLog(self.events_dir / "tasks.jsonl", "tasks")
+        lease = self.options.ttl * 0.9  # ttl - the default lease margin
+        try:
+            with contextlib.closing(sqlite3.connect(str(self.tasks_ledger), timeout=30)) as db:
+                for seq, pid, t in db.execute("SELECT seq, main_pid, t FROM commits"):
+                    log.emit("run", t=t, task=str(seq), worker=self.names.get(pid, pid))
+                for event, role, pid, epoch, reason, t in db.execute(
+                    "SELECT event, role, main_pid, epoch, reason, t FROM terms"
+                ):
+                    kind = "promote" if event == "promoted" else "demote"
+                    log.emit(
+                        kind,
+                        t=t,
+                        proc=self.names.get(pid, f"w{pid}"),
+                        role=role,
+                        epoch=epoch,
+                        reason=reason,
+                        lease=lease,
+                    )
         finally:
             log.close()
 
@@ -579,8 +705,10 @@ class Soak:
             # The candidates stop on the missing bucket (a permanent error).
             deadline = time.monotonic() + 4 * self.options.ttl + 5
             for cand in self.candidates:
-                if cand.beat:
+                if cand.kind == "beat":
                     continue  # beat keeps trying; its election stops on its own
+                if cand.kind == "worker" and cand.process is not None:
+                    cand.process.terminate()  # the operator restarts the workers
                 while cand.alive and time.monotonic() < deadline:
                     time.sleep(0.05)
                 with cand.lock:
@@ -607,6 +735,12 @@ class Soak:
             from django_nats_leader.models import FenceEpoch
 
             FenceEpoch.objects.filter(role__in=self.roles).delete()
+        if self.tasks_ledger.exists():
+            # The workers' ledger is a fenced resource too (its commits refuse
+            # an epoch older than the newest seen).
+            with contextlib.closing(sqlite3.connect(str(self.tasks_ledger), timeout=30)) as db:
+                db.execute("UPDATE fence SET max_epoch = 0")
+                db.commit()
 
     # -------------------------------------------------------------- scheduling
 
@@ -702,6 +836,8 @@ class Soak:
             self._wait_for_leaders(30)
             if opts.beats:
                 self._start_beat_part()
+            if opts.workers:
+                self._start_worker_part()
             self._schedule(progress)
             for thread in self._threads:
                 thread.join(60)
@@ -712,12 +848,16 @@ class Soak:
             self.log.emit("quiet", seconds=quiet)
             time.sleep(quiet)
             self.log.emit("done")
-            for cand in self.candidates:  # the beats first: their ticks must run
-                if cand.beat and cand.alive:
+            # Every task sent has run (the workers are still up); then the
+            # beats stop, and their worker runs the ticks they dispatched.
+            self._stop_worker_part()
+            beats = [c for c in self.candidates if c.kind == "beat"]
+            for cand in beats:
+                if cand.alive:
                     assert cand.process is not None
                     cand.process.terminate()
-            for cand in self.candidates:
-                if cand.beat and cand.process is not None:
+            for cand in beats:
+                if cand.process is not None:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         cand.process.wait(30)
             self._stop_beat_part()

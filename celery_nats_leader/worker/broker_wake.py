@@ -27,6 +27,9 @@ __all__ = ["wake_consumer"]
 
 logger = logging.getLogger(__name__)
 
+#: Set once the "cannot wake" warning was logged by this process.
+_warned = threading.Event()
+
 
 def wake_consumer(task_consumer: Any) -> bool:
     """End ``task_consumer``'s pending Redis ``BRPOP`` so that it re-reads its queues.
@@ -75,6 +78,15 @@ def _unblock(pool: Any, host: str, port: int) -> None:
                 return
         logger.debug("nats-leader: no Redis client at %s:%d to wake", host, port)
     except (redis.RedisError, OSError, ValueError) as exc:
-        logger.debug("nats-leader: could not wake the Redis consumer: %s", exc)
+        # Said once: every later promotion would fail the same way (ACLs, a proxy).
+        level = logging.DEBUG if _warned.is_set() else logging.WARNING
+        _warned.set()
+        logger.log(
+            level,
+            "nats-leader: could not wake the Redis consumer (%s: %s); a promoted worker "
+            "reads its leader queue only when its pending BRPOP times out (polling_interval)",
+            type(exc).__name__,
+            exc,
+        )
     finally:
         client.close()

@@ -9,6 +9,7 @@ test_allcall_nats.py.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -583,3 +584,44 @@ async def test_bind_after_start_is_refused(cluster: MemoryCluster) -> None:
         a.election.bind(MemoryBackend(cluster.server))
     with pytest.raises(Exception, match="already started"):
         await a.election.start()
+
+
+async def test_leader_services_follow_the_allcall_term(cluster: MemoryCluster) -> None:
+    running: list[str] = []
+    overlaps: list[list[str]] = []
+
+    def service(name: str) -> Any:
+        async def run(ctx: Any) -> None:
+            running.append(name)
+            if len(running) > 1:
+                overlaps.append(list(running))
+            try:
+                await asyncio.Event().wait()  # until the term ends
+            finally:
+                running.remove(name)
+
+        return run
+
+    a, b = cluster.add("a", priority=2), cluster.add("b", priority=1)
+    runners = {
+        node.election.instance_id: node.election.run_while_leading(
+            service(node.election.instance_id)
+        )
+        for node in (a, b)
+    }
+    await cluster.start(a, b)
+    await cluster.run_until(lambda: len(cluster.leaders()) == 1, 10)
+    await cluster.settle()
+    first = cluster.leaders()[0].election.instance_id
+    assert running == [first]
+
+    await cluster.leaders()[0].election.resign()  # awaits the service's end first
+    assert running == []
+    await cluster.run_until(
+        lambda: [n.election.instance_id for n in cluster.leaders()] not in ([], [first]), 10
+    )
+    await cluster.settle()
+    second = cluster.leaders()[0].election.instance_id
+    assert running == [second] and second != first
+    assert overlaps == []
+    assert (runners[first].runs, runners[second].runs) == (1, 1)

@@ -50,6 +50,7 @@ def main() -> None:
         CrontabSchedule,
         IntervalSchedule,
         PeriodicTask,
+        PeriodicTasks,
     )
     from django_celery_beat.schedulers import DatabaseScheduler
 
@@ -57,11 +58,7 @@ def main() -> None:
 
     url, seconds = sys.argv[1], float(sys.argv[2])
     call_command("migrate", verbosity=0)
-    # Start 4-6 s before a wall-clock minute: the cron row's tick falls inside the run.
-    while not 54.0 <= time.time() % 60 < 56.0:
-        time.sleep(0.2)
-
-    started = time.monotonic()
+    started = time.monotonic()  # reset below, when the rows exist
     record: dict[str, Any] = {side: {"sent": [], "delays": []} for side in SIDES}
 
     def interval(every: int) -> IntervalSchedule:
@@ -101,10 +98,6 @@ def main() -> None:
             )
         PeriodicTask.objects.create(**row)
 
-    for side in SIDES:
-        for name in ROWS:
-            create(side, name)
-
     def recording(base: type, side: str) -> type:
         prefix = f"{side}:"
 
@@ -136,9 +129,22 @@ def main() -> None:
             nats_leader_beat_max_catch_up=0,
             nats_leader_instance_id=f"contract-{side}",
         )
-        schedulers[side] = recording(base, side)(app=app, max_interval=5)
+        schedulers[side] = recording(base, side)(app=app, max_interval=1)
     ours = schedulers["ours"]
     assert ours.beat_role.wait_for_leadership(10), "the leader scheduler never led"
+    # django-celery-beat notices a change only against an earlier one: record one.
+    PeriodicTasks.update_changed()
+    for scheduler in schedulers.values():
+        scheduler.tick()  # the initial read of the (still empty) schedule
+
+    # Start 4-6 s before a wall-clock minute: the cron row's tick falls inside the run.
+    while not 54.0 <= time.time() % 60 < 56.0:
+        time.sleep(0.2)
+    # The rows appear while both schedulers run (a change each re-reads at its next tick).
+    for side in SIDES:
+        for name in ROWS:
+            create(side, name)
+    started = time.monotonic()
 
     changes = {
         # An admin enables a row, and slows another one down, while beat runs.
@@ -160,8 +166,6 @@ def main() -> None:
                 done.add(at)
                 for side in SIDES:
                     change(side)
-                from django_celery_beat.models import PeriodicTasks
-
                 PeriodicTasks.update_changed()
         for side, scheduler in schedulers.items():
             if elapsed >= due[side]:

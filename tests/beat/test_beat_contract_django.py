@@ -12,6 +12,7 @@ and crontab rows, and rows changed in the database while beat runs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -68,10 +69,14 @@ def test_database_rows_behave_as_with_database_scheduler(
         ("cron", 1),
     ):
         assert (oracle[name], ours[name]) == (expected, expected), (name, result)
-    # Periodic rows: the same number of messages, up to the one in flight at the end.
+    # Periodic rows (every second): the same messages, up to the one in flight at the
+    # end, and up to the ticks Celery's interval drifted by: Celery counts the next run
+    # from the (late) send, the leader scheduler from the tick's slot (docs/beat.md).
     for name in ("every-second", "enabled-later", "expires", "slowed-down"):
-        assert oracle[name] > 0, (name, result)
-        assert abs(oracle[name] - ours[name]) <= 1, (name, oracle[name], ours[name])
+        times = {side: [at for row, at in result[side]["sent"] if row == name] for side in SIDES}
+        assert times["oracle"], (name, result)
+        drift = times["oracle"][-1] - times["oracle"][0] - (len(times["oracle"]) - 1)
+        assert -1 <= ours[name] - oracle[name] <= 1 + math.ceil(max(drift, 0.0)), (name, times)
     assert ours["expires"] <= 4 and ours["slowed-down"] <= 5 and ours["enabled-later"] >= 5
     # The start time is honoured: the first message 2 s after the start, not before.
     [start_later] = [at for name, at in result["ours"]["sent"] if name == "start-later"]

@@ -7,6 +7,8 @@ schedules run on a manual clock so a tick is due exactly when the test says.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -163,6 +165,26 @@ def test_a_worker_refuses_the_beat_role_among_its_roles() -> None:
         LeaderService(app, settings)
     renamed = LeaderSettings(roles=("default", "beat"), beat_role="scheduler")
     LeaderService(app, renamed)  # a role named "beat" is fine when beat uses another
+
+
+def test_a_celery_worker_with_the_beat_role_does_not_start(tmp_path: Path) -> None:
+    (tmp_path / "wrong_roles.py").write_text(
+        "import celery_nats_leader\n"
+        "from celery import Celery\n"
+        "app = Celery('wrong_roles', broker='memory://')\n"
+        "app.conf.nats_leader_roles = ['default', 'beat']\n"
+        "celery_nats_leader.install(app)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "wrong_roles", "worker", "--pool", "solo"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "nats_leader_roles ['default', 'beat'] contains the beat role 'beat'" in done.stderr
 
 
 def test_a_replica_says_when_a_non_scheduler_holds_the_beat_role(

@@ -149,6 +149,46 @@ def test_overdue_ticks_are_caught_up_one_by_one_up_to_the_limit() -> None:
     assert not plan.due and plan.wait == pytest.approx(0.75)
 
 
+class CountingCrontab(crontab):  # type: ignore[misc]
+    """A crontab that counts its remaining_estimate() calls."""
+
+    calls = 0
+
+    def remaining_estimate(self, last_run_at: datetime, *args: Any, **kwargs: Any) -> timedelta:
+        type(self).calls += 1
+        return super().remaining_estimate(last_run_at, *args, **kwargs)
+
+
+def test_a_crontab_a_year_behind_is_planned_by_jumping_not_scanning() -> None:
+    every_minute = CountingCrontab()
+    CountingCrontab.calls = 0
+    now = T0 + timedelta(days=365, seconds=20)
+    plan = TickPlanner(max_catch_up=3).plan("cron", every_minute, T0, now)
+    latest = (T0 + timedelta(days=365)).replace(second=0, microsecond=0)
+    assert plan.due and plan.slot == latest
+    # 525,600 minutes behind: a handful of jumps and a binary search, not a walk.
+    assert CountingCrontab.calls <= 5 + 64
+    assert plan.skipped >= 4
+
+
+def test_an_interval_a_year_behind_is_planned_arithmetically() -> None:
+    every = schedule(timedelta(seconds=1))
+    plan = TickPlanner(max_catch_up=3, interval_of=interval_of).plan(
+        "second", every, T0, T0 + timedelta(days=365, seconds=0.5)
+    )
+    assert plan.slot == T0 + timedelta(days=365) and plan.skipped == 365 * 86400 - 1
+
+
+def test_slots_before_not_before_do_not_exist() -> None:
+    every = schedule(timedelta(seconds=10))
+    planner = TickPlanner(max_catch_up=100, interval_of=interval_of)
+    start = T0 + timedelta(days=30 * 365)
+    # A row backdated 30 years whose start time has just come: one tick, the first
+    # slot at or after the start, nothing caught up.
+    plan = planner.plan("row", every, T0, start + timedelta(seconds=25), not_before=start)
+    assert plan.due and plan.skipped == 0 and start <= plan.slot <= start + timedelta(seconds=10)
+
+
 # ------------------------------------------------------------------ state
 
 

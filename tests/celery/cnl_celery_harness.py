@@ -17,139 +17,27 @@ There is no ``__init__.py`` here on purpose: this directory is called
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cnl_celery_ledger import Ledger
 
-from celery_nats_leader.nats.connection import ConnectOptions, connect
-from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.nats import ConnectOptions, open_backend
 from celery_nats_leader.testing import NatsServer
 from celery_nats_leader.testing.services import wait_for
+from tests.support import REPO
+from tests.support.brokers import Broker
+from tests.support.procs import Proc
 
 HERE = Path(__file__).resolve().parent
 CELERY = str(Path(sys.executable).parent / "celery")
-REDIS_URL = os.environ.get("CNL_REDIS_URL", "redis://127.0.0.1:6379/0")
-AMQP_URL = os.environ.get("CNL_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
-
-
-# ------------------------------------------------------------------ brokers
-
-
-@dataclass
-class Broker:
-    kind: str
-    url: str
-    transport_options: dict[str, Any] = field(default_factory=dict)
-    prefix: str = ""
-    data_dir: Path | None = None
-    queues: set[str] = field(default_factory=set)
-
-    def ready_messages(self, queue: str) -> int:
-        """Messages waiting in ``queue`` (not delivered to any consumer)."""
-        if self.kind == "redis":
-            import redis
-
-            client = redis.Redis.from_url(self.url)
-            try:
-                return int(client.llen(self.prefix + queue))
-            finally:
-                client.close()
-        if self.kind == "amqp":
-            from kombu import Connection
-
-            with Connection(self.url) as conn:
-                try:
-                    return int(
-                        conn.default_channel.queue_declare(queue, passive=True).message_count
-                    )
-                except Exception:
-                    return 0
-        assert self.data_dir is not None
-        return sum(1 for name in os.listdir(self.data_dir) if name.endswith(f".{queue}.msg"))
-
-    def cleanup(self) -> None:
-        if self.kind == "redis":
-            import redis
-
-            client = redis.Redis.from_url(self.url)
-            try:
-                keys = list(client.scan_iter(match=self.prefix + "*"))
-                if keys:
-                    client.delete(*keys)
-            finally:
-                client.close()
-        elif self.kind == "amqp":
-            from kombu import Connection
-
-            with Connection(self.url) as conn:
-                for name in self.queues:
-                    channel = conn.channel()
-                    with contextlib.suppress(Exception):
-                        channel.queue_delete(name)
-                    with contextlib.suppress(Exception):
-                        channel.exchange_delete(name)
-                    with contextlib.suppress(Exception):
-                        channel.close()
-
-
-# ------------------------------------------------------------------ workers
-
-
-class Worker:
-    def __init__(self, name: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
-        self.name = name
-        self.proc = proc
-        self.pid = proc.pid
-        self.log_path = log_path
-
-    def __repr__(self) -> str:
-        return f"<Worker {self.name} pid={self.pid}>"
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def terminate(self) -> None:
-        """SIGTERM: Celery's warm shutdown (release leadership, finish tasks)."""
-        if self.alive:
-            self.proc.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        """SIGKILL the whole process tree at once: a crash of the host or container."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-    def wait(self, timeout: float = 60.0) -> int:
-        return self.proc.wait(timeout)
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        if self.proc.poll() is None:
-            self.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        # Pool children of a worker that exited cleanly are gone already;
-        # this reaps anything left in its process group.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
-        return self.proc.returncode
+#: What the worker subprocesses import: this directory's helpers, and tests.support.
+PYTHONPATH = os.pathsep.join([str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])
 
 
 class Cluster:
@@ -188,7 +76,7 @@ class Cluster:
         self.ledger.create()
         if create_bucket:
             asyncio.run(self._create_bucket())
-        self.workers: list[Worker] = []
+        self.workers: list[Proc] = []
         self._app: Any = None
         self.declare_queues()
 
@@ -210,13 +98,12 @@ class Cluster:
                 self.app.amqp.queues[name](channel).declare()
 
     async def _create_bucket(self) -> None:
-        nc = await connect(ConnectOptions(servers=(self.nats.url,)), timeout=10)
-        try:
-            await JetStreamBackend(nc).open_bucket(
+        async with await open_backend(
+            ConnectOptions(servers=(self.nats.url,)), timeout=10
+        ) as backend:
+            await backend.open_bucket(
                 self.config["bucket"], ttl=self.config["ttl"], create=True, replicas=1, timeout=10
             )
-        finally:
-            await nc.close()
 
     @property
     def role(self) -> str:
@@ -250,12 +137,12 @@ class Cluster:
         queues: tuple[str, ...] = (),
         config: dict[str, Any] | None = None,
         wait: bool = True,
-    ) -> Worker:
+    ) -> Proc:
         worker_config = {**self.config, **(config or {})}
         env = {
             **os.environ,
             "CNL_CONFIG": json.dumps(worker_config),
-            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": PYTHONPATH,
             "PYTHONUNBUFFERED": "1",
         }
         queue_list = [self.config["default_queue"], *queues]
@@ -278,22 +165,13 @@ class Cluster:
             "--without-gossip",
             "--without-mingle",
         ]
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                command,
-                env=env,
-                cwd=self.tmp_path,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group, for kill()
-            )
-        worker = Worker(name, proc, log_path)
+        worker = Proc(name, command, env=env, log_path=log_path, cwd=self.tmp_path)
         self.workers.append(worker)
         if wait:
             self.wait_ready(worker)
         return worker
 
-    def wait_ready(self, worker: Worker, timeout: float = 60.0) -> None:
+    def wait_ready(self, worker: Proc, timeout: float = 60.0) -> None:
         def ready() -> bool:
             if not worker.alive:
                 raise AssertionError(
@@ -303,14 +181,14 @@ class Cluster:
 
         wait_for(ready, timeout, f"{worker} to be ready", self.diagnostics)
 
-    def by_pid(self, pid: int) -> Worker:
+    def by_pid(self, pid: int) -> Proc:
         return next(w for w in self.workers if w.pid == pid)
 
-    def wait_leader(self, exclude: tuple[Worker, ...] = (), timeout: float = 60.0) -> Worker:
+    def wait_leader(self, exclude: tuple[Proc, ...] = (), timeout: float = 60.0) -> Proc:
         """The worker of the newest promotion, once one not in ``exclude`` is promoted."""
         excluded = {w.pid for w in exclude}
 
-        def promoted() -> Worker | None:
+        def promoted() -> Proc | None:
             promotions = [t for t in self.ledger.promotions() if t.role == self.role]
             if not promotions:
                 return None
@@ -345,7 +223,7 @@ def run_cli(cluster: Cluster, *args: str, timeout: float = 60) -> subprocess.Com
     env = {
         **os.environ,
         "CNL_CONFIG": json.dumps(cluster.config),
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": PYTHONPATH,
     }
     return subprocess.run(
         [CELERY, "-A", "cnl_celery_app", "nats-leader", *args],

@@ -18,11 +18,10 @@ whole host, so readings of different processes compare.
 from __future__ import annotations
 
 import os
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+
+from tests.support.ledger import SqliteLedger
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS terms (
@@ -55,38 +54,16 @@ class Term:
     t: float
 
 
-class Ledger:
+class Ledger(SqliteLedger):
     def __init__(self, path: str) -> None:
-        self.path = path
-        self._local = threading.local()
-
-    def _conn(self) -> sqlite3.Connection:
-        # One connection per process and thread: never used across a fork.
-        conn = getattr(self._local, "conn", None)
-        if conn is None or self._local.pid != os.getpid():
-            conn = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-            conn.execute("PRAGMA busy_timeout = 60000")
-            self._local.conn = conn
-            self._local.pid = os.getpid()
-        return conn
-
-    def create(self) -> None:
-        conn = self._conn()
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.executescript(SCHEMA)
-
-    def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
+        super().__init__(path, SCHEMA)
 
     # ------------------------------------------------------------ writers
 
     def term(
         self, event: str, role: str, main_pid: int, epoch: int | None, reason: str | None
     ) -> None:
-        self._conn().execute(
+        self.execute(
             "INSERT INTO terms (event, role, main_pid, epoch, reason, t) VALUES (?,?,?,?,?,?)",
             (event, role, main_pid, epoch, reason, time.monotonic()),
         )
@@ -94,7 +71,7 @@ class Ledger:
     def attempt(
         self, *, seq: int, task_id: str, name: str, main_pid: int, epoch: int, checked_at: float
     ) -> None:
-        self._conn().execute(
+        self.execute(
             "INSERT INTO attempts (seq, task_id, name, pid, main_pid, epoch, checked_at, t) "
             "VALUES (?,?,?,?,?,?,?,?)",
             (seq, task_id, name, os.getpid(), main_pid, epoch, checked_at, time.monotonic()),
@@ -104,9 +81,7 @@ class Ledger:
         self, *, seq: int, task_id: str, name: str, main_pid: int, epoch: int, checked_at: float
     ) -> str:
         """Fenced, idempotent commit: 'committed', 'duplicate' or 'stale'."""
-        conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with self.immediate() as conn:
             (max_epoch,) = conn.execute("SELECT max_epoch FROM fence WHERE id = 1").fetchone()
             if epoch < max_epoch:
                 outcome = "stale"
@@ -137,10 +112,6 @@ class Ledger:
                     "VALUES (?,?,?,?,?,?)",
                     (seq, task_id, main_pid, epoch, outcome, time.monotonic()),
                 )
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
         return outcome
 
     def event(
@@ -153,19 +124,13 @@ class Ledger:
         state: str = "",
         info: str = "",
     ) -> None:
-        self._conn().execute(
+        self.execute(
             "INSERT INTO events (kind, name, task_id, pid, main_pid, state, info, t) "
             "VALUES (?,?,?,?,?,?,?,?)",
             (kind, name, task_id, os.getpid(), main_pid, state, info, time.monotonic()),
         )
 
     # ------------------------------------------------------------ readers
-
-    def rows(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
-        return list(self._conn().execute(sql, params).fetchall())
-
-    def count(self, sql: str, *params: Any) -> int:
-        return int(self._conn().execute(sql, params).fetchone()[0])
 
     def terms(self) -> list[Term]:
         return [

@@ -15,59 +15,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cnl_celery_harness import AMQP_URL, REDIS_URL, Broker, Cluster
+from cnl_celery_harness import Cluster
 
 from celery_nats_leader.testing import NatsServer
-from celery_nats_leader.testing.services import require_service
+from tests.support.brokers import Broker, make_broker
 
 
 @pytest.fixture
 def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Broker]:
-    kind = getattr(request, "param", "filesystem")
-    token = uuid.uuid4().hex[:10]
-    if kind == "filesystem":
-        data, processed, control = (
-            tmp_path / "fs-data",
-            tmp_path / "fs-processed",
-            tmp_path / "fs-control",
-        )
-        for path in (data, processed, control):
-            path.mkdir()
-        spec = Broker(
-            kind,
-            "atomicfs://",  # kombu's filesystem transport, written atomically
-            {
-                "data_folder_in": str(data),
-                "data_folder_out": str(data),
-                "processed_folder": str(processed),
-                "store_processed": True,
-                "control_folder": str(control),
-                "polling_interval": 0.05,
-            },
-            data_dir=data,
-        )
-    elif kind == "redis":
-        require_service("redis broker", REDIS_URL)
-        prefix = f"cnl-{token}:"
-        spec = Broker(
-            kind,
-            REDIS_URL,
-            {
-                # Keys of this test only, in a Redis other tests may share.
-                "global_keyprefix": prefix,
-                # Redelivery of a crashed worker's unacknowledged messages:
-                # after the visibility timeout, swept every second.
-                "visibility_timeout": 6,
-                "unacked_restore_interval": 1,
-                "unacked_restore_throttle": 1,
-            },
-            prefix=prefix,
-        )
-    elif kind == "amqp":
-        require_service("amqp broker", AMQP_URL)
-        spec = Broker(kind, AMQP_URL, {})
-    else:  # pragma: no cover
-        raise ValueError(kind)
+    spec = make_broker(
+        getattr(request, "param", "filesystem"),
+        tmp_path,
+        key_prefix=f"cnl-{uuid.uuid4().hex[:10]}:",
+        # Redelivery of a crashed worker's unacknowledged messages: after the
+        # visibility timeout, swept every second.
+        redis_options={
+            "visibility_timeout": 6,
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+        },
+    )
     try:
         yield spec
     finally:

@@ -117,3 +117,81 @@ def test_resign_without_leader_exits_1(app: Celery, two: dict[str, Elector]) -> 
 def test_resign_invalid_role_exits_2(app: Celery) -> None:
     result = cli(app, "resign", "not a role")
     assert result.exit_code == 2
+
+
+# ------------------------------------------------------------------ bucket
+
+
+def test_bucket_check_create_delete(app: Celery, bucket: str, nats_server: NatsServer) -> None:
+    missing = cli(app, "bucket")
+    assert missing.exit_code == 1, missing.output
+    assert f"election bucket {bucket!r} does not exist" in missing.stdout
+    assert "create it with `celery -A cli nats-leader bucket --create`" in missing.stdout
+
+    created = cli(app, "bucket", "--create")
+    assert created.exit_code == 0, created.output
+    lines = created.stdout.splitlines()
+    assert lines[0] == f"election bucket {bucket!r} created"
+    assert "  max_age (TTL)  2s" in lines and "  history        1" in lines
+    assert lines[-1] == "  fits the election settings"
+
+    # What it made is what an election with the configured TTL accepts.
+    with Elector(nats_server.url, name="test-bucket") as elector:
+        handle = elector.add_role(ElectionConfig(role="default", bucket=bucket, ttl=TTL))
+        assert handle.wait_for_leadership(5) and handle.error is None
+
+    again = cli(app, "bucket", "--check", "--json")
+    assert again.exit_code == 0, again.output
+    doc = json.loads(again.stdout)
+    assert doc["ok"] is True
+    [entry] = doc["buckets"]
+    assert entry["name"] == bucket and entry["kind"] == "election"
+    assert (entry["exists"], entry["ttl"], entry["history"], entry["created"]) == (
+        True,
+        TTL,
+        1,
+        False,
+    )
+
+    refused = CliRunner().invoke(
+        nats_leader, ["bucket", "--delete"], obj=SimpleNamespace(app=app), input="n\n"
+    )
+    assert refused.exit_code == 1 and "Aborted" in refused.output
+    assert cli(app, "bucket").exit_code == 0  # still there
+
+    deleted = cli(app, "bucket", "--delete", "--yes")
+    assert deleted.exit_code == 0, deleted.output
+    assert deleted.stdout.splitlines() == [f"election bucket {bucket!r} deleted"]
+    assert cli(app, "bucket").exit_code == 1
+
+
+def test_bucket_with_the_leader_beat_scheduler(app: Celery, bucket: str) -> None:
+    app.conf.beat_scheduler = "nats_leader"
+    created = cli(app, "bucket", "--create", "--json")
+    assert created.exit_code == 0, created.output
+    entries = {e["kind"]: e for e in json.loads(created.stdout)["buckets"]}
+    assert entries["election"]["ttl"] == TTL
+    assert entries["beat_state"]["name"] == f"{bucket}_beat"
+    assert entries["beat_state"]["ttl"] == 0  # the schedule's state never expires
+    assert cli(app, "bucket", "--delete", "--yes").exit_code == 0
+
+
+def test_bucket_with_another_ttl_says_how_to_fix_it(app: Celery, bucket: str) -> None:
+    # --ttl overrides the settings: the bucket fits what was asked for...
+    assert cli(app, "bucket", "--create", "--ttl", "5").exit_code == 0
+    # ... but not the configured elections (TTL 2 s).
+    checked = cli(app, "bucket")
+    assert checked.exit_code == 1, checked.output
+    # The hint uses the configured TTL, not a default.
+    assert (
+        "  problem: max_age is 5s but the election ttl is 2s: they must be equal "
+        "(recreate the bucket with --ttl 2, or set TTL to 5)"
+    ) in checked.stdout.splitlines()
+    assert cli(app, "bucket", "--delete", "--yes").exit_code == 0
+
+
+def test_bucket_unreachable_server_exits_2(app: Celery) -> None:
+    app.conf.nats_leader_servers = ["nats://127.0.0.1:1"]
+    result = cli(app, "bucket", "--timeout", "1")
+    assert result.exit_code == 2
+    assert "cannot use the buckets" in result.output

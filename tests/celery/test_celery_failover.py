@@ -23,7 +23,10 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from cnl_celery_harness import Broker, Cluster, Worker, wait_for
+from cnl_celery_harness import Cluster, wait_for
+
+from tests.support.brokers import Broker
+from tests.support.procs import Proc
 
 pytestmark = [pytest.mark.celery, pytest.mark.integration]
 
@@ -127,7 +130,7 @@ def unfinished_runs(cluster: Cluster) -> dict[tuple[int, int, int], int]:
 
 
 def verify(
-    cluster: Cluster, *, total: int, leaders: tuple[Worker, ...], crashed: Worker | None
+    cluster: Cluster, *, total: int, leaders: tuple[Proc, ...], crashed: Proc | None
 ) -> None:
     ledger = cluster.ledger
     first, second, third = leaders

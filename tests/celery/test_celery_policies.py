@@ -23,11 +23,12 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from cnl_celery_harness import Broker, Cluster, run_cli, wait_for
+from cnl_celery_harness import Cluster, run_cli, wait_for
 
 from celery_nats_leader.nats.connection import ConnectOptions, connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.record import encode_record
+from tests.support.brokers import Broker
 
 pytestmark = [pytest.mark.celery, pytest.mark.integration]
 
@@ -200,7 +201,7 @@ def test_validate_catches_a_stale_token_in_a_prefork_child(cluster_factory: Any)
 
     # Freeze the worker's main process (its elector, watch and renewals), take
     # the key away, then let the pool child run its check.
-    os.kill(worker.pid, signal.SIGSTOP)
+    worker.pause()  # returns once it is stopped: it cannot notice the forgery
     try:
         forged_epoch = asyncio.run(_forge_record(cluster))
         barrier.touch()
@@ -213,7 +214,7 @@ def test_validate_catches_a_stale_token_in_a_prefork_child(cluster_factory: Any)
         assert ledger.count("SELECT COUNT(*) FROM attempts") == 0
         asyncio.run(_forge_record(cluster, delete=True))
     finally:
-        os.kill(worker.pid, signal.SIGCONT)
+        worker.resume()
 
     # The worker sees the intruder, steps down, wins the freed key again and
     # runs the requeued task once, under a new term.

@@ -270,3 +270,27 @@ def test_setting_errors_name_the_setting_as_written() -> None:
         LeaderSettings.from_celery(django_app.conf)
     app.close()
     django_app.close()
+
+
+def test_leader_services_by_decorator_and_by_name(app: Celery) -> None:
+    from celery_nats_leader import leader_service
+    from celery_nats_leader.worker.leader_services import registered_services
+
+    @leader_service(app)
+    def poll(ctx: Any) -> None: ...
+
+    @leader_service(app, role="beta", grace=3.0)
+    async def follow(ctx: Any) -> None: ...
+
+    specs = registered_services(app, {"beta": ["os.path:join"]}, "alpha")
+    assert [(s.function, s.role, s.grace) for s in specs] == [
+        (poll, "alpha", None),  # no role: the first of nats_leader_roles
+        (follow, "beta", 3.0),
+        (os.path.join, "beta", None),
+    ]
+    with pytest.raises(ConfigError, match=r"nats_leader_services\['beta'\]: cannot import"):
+        registered_services(app, {"beta": ["proj.nowhere:poll"]}, "alpha")
+    with pytest.raises(ConfigError, match="must map roles to lists"):
+        registered_services(app, ["proj.feeds:poll"], "alpha")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="not a valid role name"):
+        leader_service(app, role="no spaces")

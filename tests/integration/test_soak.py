@@ -2,7 +2,8 @@
 
 A 3-node cluster with an R3 bucket, five candidate processes on two roles
 with file and PostgreSQL fences, three ``celery beat`` replicas with a 1-s
-entry (and a worker on Redis running its ticks), and faults in combinations (see
+entry (and a worker on Redis running its ticks), three workers running
+leader-only tasks sent four times a second, and faults in combinations (see
 :mod:`celery_nats_leader.testing.soak`). The independent checker reads the
 recorded events; any violation fails the test, with the checker's table and
 the seed (``benchmarks/soak.py --seed N --faults 30 --ttl 1`` replays the
@@ -21,6 +22,7 @@ from celery_nats_leader.testing.soak import FAULT_KINDS, Soak, SoakOptions, post
 
 REDIS_URL = os.environ.get("CNL_REDIS_URL", "redis://127.0.0.1:6379/0")
 BEAT_APP = Path(__file__).resolve().parent.parent / "beat"
+CELERY_APP = Path(__file__).resolve().parent.parent / "celery"
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -41,6 +43,8 @@ def test_short_soak_has_no_violation() -> None:
             beats=3,
             beat_app_dir=BEAT_APP,
             broker_url=REDIS_URL,
+            workers=3,
+            celery_app_dir=CELERY_APP,
         )
     )
     report = soak.run()
@@ -53,4 +57,5 @@ def test_short_soak_has_no_violation() -> None:
     # Beat ticked (one a second) between its restarts; none ran twice.
     assert report.ticks["ran"] >= 10, table
     assert report.ticks["twice"] == 0, table
+    assert report.tasks["sent"] >= 50 and report.tasks["lost"] == 0, table
     print(table)

@@ -175,6 +175,9 @@ async def test_missing_bucket_is_reported_with_how_to_create_it(
     message = str(caught.value)
     assert f"nats kv add {BUCKET} --ttl {TTL:g}s --history 1" in message
     assert "create_bucket=True" in message
+    # Without the `nats` CLI: the project's own commands, with the configured TTL.
+    assert "`celery -A <app> nats-leader bucket --create`" in message
+    assert "`manage.py election_bucket --create`" in message
     # Nothing left behind: only the test's own connection remains.
     await in_thread(wait_connections, nats_server, 1)
     # Once the operator created the bucket, the same election starts.

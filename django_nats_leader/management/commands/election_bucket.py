@@ -15,121 +15,37 @@ from __future__ import annotations
 
 import json
 from argparse import ArgumentParser
-from dataclasses import dataclass
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.config import validate_bucket
-from celery_nats_leader.errors import BucketNotFoundError, ConfigError, ElectionError
+from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.nats import open_backend
-from celery_nats_leader.ops.bucket import BucketInfo, bucket_info, bucket_ttls, ensure_bucket
+from celery_nats_leader.ops.bucket import (
+    BucketAction,
+    BucketOutcome,
+    BucketTarget,
+    apply_to_buckets,
+    bucket_targets,
+    outcome_lines,
+)
 from celery_nats_leader.ops.oneshot import operator_name, run_once
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
 from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
 
-#: What a bucket holds: election keys, or the beat schedule's state.
-ELECTION, BEAT_STATE = "election", "beat_state"
-
-
-@dataclass(frozen=True)
-class Target:
-    """A bucket to inspect or create.
-
-    Attributes:
-        name: The bucket.
-        kind: :data:`ELECTION` or :data:`BEAT_STATE`.
-        ttl: The ``max_age`` it must have (``None`` for the beat state: none).
-        replicas: Replicas when creating it.
-        expect_replicas: Replicas an existing one must have (``--replicas``), if any.
-
-    """
-
-    name: str
-    kind: str
-    ttl: float | None
-    replicas: int
-    expect_replicas: int | None = None
-
-    @property
-    def persistent(self) -> bool:
-        """Whether its data must never expire."""
-        return self.kind == BEAT_STATE
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One bucket's settings, or why it is missing."""
-
-    target: Target
-    info: BucketInfo | None
-    problems: list[str]
-
-    def to_dict(self) -> dict[str, Any]:
-        """One entry of ``--json``'s ``buckets``."""
-        body: dict[str, Any] = {"name": self.target.name, "kind": self.target.kind}
-        if self.info is None:
-            body.update(exists=False, problems=self.problems)
-            return body
-        info = self.info.to_dict()
-        info.pop("name")
-        body.update(exists=True, **info, problems=self.problems)
-        return body
-
-
-def expected_ttl(settings: LeaderSettings, bucket: str) -> float:
-    """The TTL the roles using ``bucket`` want (the base ``TTL`` if none or several)."""
-    ttls = bucket_ttls(settings).get(bucket, set())
-    return next(iter(ttls)) if len(ttls) == 1 else settings.ttl
-
-
-def targets(settings: LeaderSettings, options: dict[str, Any]) -> list[Target]:
-    """The buckets the command looks at, from the settings and the options."""
-    replicas = int(
-        options["replicas"] if options["replicas"] is not None else settings.bucket_replicas
-    )
-    name = options["bucket"] or settings.bucket
-    ttl = float(options["ttl"] if options["ttl"] is not None else expected_ttl(settings, name))
-    expect = options["replicas"]
-    found = [Target(name, ELECTION, ttl, replicas, expect)]
-    if not options["bucket"] and (options["beat_state"] or conf.beat_is_elected()):
-        found.append(Target(settings.beat_state_bucket, BEAT_STATE, None, replicas, expect))
-    return found
-
 
 def inspect_or_create(
-    settings: LeaderSettings, wanted: list[Target], *, create: bool, timeout: float
-) -> list[Outcome]:
+    settings: LeaderSettings, wanted: list[BucketTarget], *, create: bool, timeout: float
+) -> list[BucketOutcome]:
     """Read every bucket's settings, creating the missing ones when ``create`` is set."""
 
-    async def run() -> list[Outcome]:
+    async def run() -> list[BucketOutcome]:
         name = operator_name("manage.py election_bucket")
-        found: list[Outcome] = []
         async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
-            for target in wanted:
-                try:
-                    if create:
-                        info = await ensure_bucket(
-                            backend,
-                            target.name,
-                            ttl=target.ttl,
-                            replicas=target.replicas,
-                            timeout=timeout,
-                            persistent=target.persistent,
-                        )
-                    else:
-                        info = await bucket_info(backend, target.name, timeout=timeout)
-                except BucketNotFoundError:
-                    found.append(
-                        Outcome(target, None, ["does not exist: run with --create to create it"])
-                    )
-                    continue
-                problems = info.problems(
-                    ttl=target.ttl, replicas=target.expect_replicas, persistent=target.persistent
-                )
-                found.append(Outcome(target, info, problems))
-        return found
+            action: BucketAction = "create" if create else "check"
+            return await apply_to_buckets(backend, wanted, action, timeout=timeout)
 
     return run_once(run)
 
@@ -173,7 +89,13 @@ class Command(BaseCommand):
         """Inspect (or create) the buckets and say whether they fit the settings."""
         settings = load_settings()
         try:
-            wanted = targets(settings, options)
+            wanted = bucket_targets(
+                settings,
+                bucket=options["bucket"],
+                ttl=options["ttl"],
+                replicas=options["replicas"],
+                beat_state=bool(options["beat_state"] or conf.beat_is_elected()),
+            )
             for target in wanted:
                 validate_bucket(target.name)
         except ConfigError as exc:
@@ -197,24 +119,13 @@ class Command(BaseCommand):
                 returncode=EXIT_NO_LEADER,
             )
 
-    def _show(self, outcome: Outcome) -> None:
-        target, info = outcome.target, outcome.info
-        what = "election bucket" if target.kind == ELECTION else "beat state bucket"
-        if info is None:
-            self.stdout.write(self.style.ERROR(f"{what} {target.name!r} does not exist"))
-            self.stdout.write("  create it with `manage.py election_bucket --create`")
-            return
-        verb = "created" if info.created else "exists"
-        self.stdout.write(self.style.MIGRATE_HEADING(f"{what} {info.name!r} {verb}"))
-        for label, item in (
-            ("max_age (TTL)", f"{info.ttl:g}s" if info.ttl else "none"),
-            ("history", str(info.history)),
-            ("replicas", str(info.replicas)),
-            ("storage", info.storage),
-            ("entries", str(info.keys)),
+    def _show(self, outcome: BucketOutcome) -> None:
+        styles = {
+            "heading": self.style.MIGRATE_HEADING,
+            "error": self.style.ERROR,
+            "success": self.style.SUCCESS,
+        }
+        for style, text in outcome_lines(
+            outcome, create_command="manage.py election_bucket --create"
         ):
-            self.stdout.write(f"  {label:<15}{item}")
-        for problem in outcome.problems:
-            self.stdout.write(self.style.ERROR(f"  problem: {problem}"))
-        if not outcome.problems:
-            self.stdout.write(self.style.SUCCESS("  fits the election settings"))
+            self.stdout.write(styles[style](text) if style else text)
