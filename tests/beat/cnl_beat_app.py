@@ -196,11 +196,11 @@ def make_app(config: dict[str, Any]) -> Celery:
     # The beat tests' tasks use the once-guard, as the documentation
     # recommends: the outbox sends a tick again when a scheduler died after
     # sending it and before recording the send.
-    @app.task(bind=True, base=OnceTask, name="cnl_beat.record")
+    @app.task(shared=False, bind=True, base=OnceTask, name="cnl_beat.record")
     def record(self: Any, *args: Any, **kwargs: Any) -> None:
         _record(ledger, self)
 
-    @app.task(bind=True, name="cnl_beat.plain")
+    @app.task(shared=False, bind=True, name="cnl_beat.plain")
     def plain(self: Any, *args: Any, **kwargs: Any) -> None:
         _record(ledger, self)
 
@@ -221,15 +221,16 @@ def make_app(config: dict[str, Any]) -> Celery:
                 )
                 raise
 
-    @app.task(bind=True, base=RecordingFencedTask, name="cnl_beat.fenced")
+    @app.task(shared=False, bind=True, base=RecordingFencedTask, name="cnl_beat.fenced")
     def fenced(self: Any, *args: Any, **kwargs: Any) -> None:
         _record(ledger, self)
 
-    @app.task(bind=True, base=OnceTask, name="cnl_beat.once")
+    @app.task(shared=False, bind=True, base=OnceTask, name="cnl_beat.once")
     def once(self: Any, *args: Any, **kwargs: Any) -> None:
         _record(ledger, self)
 
     @app.task(
+        shared=False,
         bind=True,
         base=OnceTask,
         name="cnl_beat.once_hold",
@@ -244,7 +245,13 @@ def make_app(config: dict[str, Any]) -> Celery:
             time.sleep(0.02)
         ledger.run(task="once_hold:end", task_id=self.request.id)
 
-    @app.task(bind=True, name="cnl_beat.plain_hold", acks_late=True, reject_on_worker_lost=True)
+    @app.task(
+        shared=False,
+        bind=True,
+        name="cnl_beat.plain_hold",
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )
     def plain_hold(self: Any, hold: str) -> None:
         ledger.run(task="plain_hold:start", task_id=self.request.id)
         while os.path.exists(hold):
