@@ -20,7 +20,6 @@ exactly once and no tick the schedule does not have.
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import time
 from collections.abc import Callable
@@ -96,25 +95,7 @@ def _acknowledged_duplicates(cluster: BeatCluster) -> int:
 def _check(cluster: BeatCluster, killed: dict[str, int], end_wall: float) -> None:
     # Nothing lost, even from the killed terms; nothing twice.
     verdicts = check_exactly_once(cluster, end_wall=end_wall)
-    dispatching_since = min(r.wall for r in cluster.runs())
-    # No gap or lateness beyond a failover, from the first dispatch on (a
-    # database row counts its ticks from its creation, before the replicas
-    # have started: those first ticks are late by the start-up, not a failover).
-    check_gaps(
-        cluster,
-        {
-            name: dataclasses.replace(
-                verdict,
-                executed={
-                    slot: runs
-                    for slot, runs in verdict.executed.items()
-                    if slot.timestamp() >= dispatching_since
-                },
-            )
-            for name, verdict in verdicts.items()
-        },
-        FAILOVER,
-    )
+    check_gaps(cluster, verdicts, FAILOVER)
     check_terms(cluster)
     for verdict in verdicts.values():
         assert not verdict.lost, verdict
