@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import multiprocessing
 import signal
 import socket
 import threading
@@ -427,6 +428,13 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         observer, settings = self.nats_leader_observer, self.nats_leader_settings
         if observer is None or settings.metrics_port is None or self.nats_leader_metrics_port:
             return
+        if _embedded():
+            # ``celery worker -B``: the worker serves nats_leader_metrics_port.
+            logger.info(
+                "nats-leader beat: embedded in a worker, which serves nats_leader_metrics_port; "
+                "run beat as its own process to export its tick metrics"
+            )
+            return
         port = int(settings.metrics_port)
         try:
             self.nats_leader_metrics_port = observer.serve(port, settings.metrics_address)
@@ -682,6 +690,17 @@ _ONE_MICROSECOND = timedelta(microseconds=1)
 
 #: Modules whose schedules' ``is_due()`` is plain "is a slot due" (see ``catches_up``).
 STANDARD_IS_DUE_MODULES = frozenset({"celery.schedules", "django_celery_beat.tzcrontab"})
+
+
+def _embedded() -> bool:
+    """Whether this is the embedded beat of a worker (``celery worker -B``).
+
+    Celery runs it in a process (or thread) named ``Beat``.
+    """
+    return (
+        multiprocessing.current_process().name == "Beat"
+        or threading.current_thread().name == "Beat"
+    )
 
 
 def _timestamp(moment: datetime) -> float:

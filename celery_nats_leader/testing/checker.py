@@ -9,6 +9,8 @@ the whole host, so lines of different processes are ordered by it), ``proc``
 ============== ==================================================================
 promote        ``proc`` leads ``role`` from now (``epoch``, ``lease`` seconds)
 demote         ``proc`` stopped leading ``role`` (``reason``)
+renewed        ``proc``'s renewal of ``role`` was confirmed: its lease runs
+               ``until`` (the renewal's send time + the lease)
 write          a fenced write (``resource``, ``role``, ``epoch``, ``accepted``),
                recorded while the resource's lock is held: the resource's order
 killed         the scheduler killed ``proc`` (recorded once it is dead)
@@ -23,9 +25,11 @@ run            a task ran (``task``, and ``tick`` for a tick's task)
 ============== ==================================================================
 
 The checker knows one fact about the system beyond the events: a process
-resumed after a pause longer than its ``lease`` has no lease by its own clock
-when it resumes (a lease runs from a renewal's send time, before the pause),
-so its belief ends at the resume even if its ``demote`` line comes later.
+believes it leads only until its lease deadline, which its own clock checks on
+every question. After a ``renewed`` line the deadline is at most its
+``until``; a belief ends there even when the ``demote`` line comes later (a
+starved or paused process runs its callbacks late). In particular a process
+resumed after a pause longer than its lease has no lease when it resumes.
 
 :func:`check` returns a :class:`Report`; :meth:`Report.table` prints it.
 """
@@ -273,11 +277,12 @@ def _beliefs(
 ) -> dict[str, list[tuple[str, float, float]]]:
     """Per role: (proc, start, end) while proc believed it led and was live."""
     beliefs: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
-    leading: dict[tuple[str, str], tuple[float, float]] = {}  # (proc, role) -> (start, lease)
+    # (proc, role) -> (start, lease, latest possible lease deadline)
+    leading: dict[tuple[str, str], tuple[float, float, float]] = {}
 
     def close(proc: str, role: str, t: float) -> None:
-        start, lease = leading.pop((proc, role))
-        stop = t
+        start, lease, until = leading.pop((proc, role))
+        stop = min(t, until)
         # Resumed after a pause longer than the lease: no lease at the resume.
         for p0, p1 in pauses.get(proc, ()):
             if start <= p0 < stop and p1 - p0 > lease and p1 < stop:
@@ -292,7 +297,16 @@ def _beliefs(
             role = str(e.get("role"))
             if (e.proc, role) in leading:
                 close(e.proc, role, e.t)
-            leading[(e.proc, role)] = (e.t, float(e.get("lease", math.inf)))
+            lease = float(e.get("lease", math.inf))
+            # Until its first renewal the deadline is unknown here (logs that
+            # record no renewals keep beliefs until the demote line).
+            leading[(e.proc, role)] = (e.t, lease, math.inf)
+        elif e.kind == "renewed":
+            key = (e.proc, str(e.get("role")))
+            if key in leading:
+                start, lease, until = leading[key]
+                renewed = float(e.get("until", math.inf))
+                leading[key] = (start, lease, renewed if until == math.inf else max(until, renewed))
         elif e.kind == "demote":
             role = str(e.get("role"))
             if (e.proc, role) in leading:
@@ -448,8 +462,9 @@ def _check_ticks(
                 f"{', '.join(sorted(lost + never_ran)[:10])}",
             )
         )
+    found = {"dispatched": len(dispatched)} if dispatched else {}
     return {
-        "dispatched": len(dispatched),
+        **found,
         "ran": sum(1 for t in runs if runs[t] >= 1),
         "twice": sum(1 for n in runs.values() if n > 1),
         "lost": lost_total,

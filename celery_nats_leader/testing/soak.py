@@ -266,6 +266,9 @@ class Soak:
         self.tasks_ledger = self.workdir / "tasks.sqlite3"
         self.celery_config: dict[str, Any] = {
             "broker_url": options.broker_url,
+            # A crashed worker's unacknowledged task comes back after this
+            # (Redis; kombu's default is an hour, longer than a soak).
+            "broker_transport_options": {"visibility_timeout": 10},
             "default_queue": f"soak-default-{run_id}",
             "nats_url": "",  # set once the cluster runs
             "bucket": self.bucket,
@@ -394,11 +397,14 @@ class Soak:
 
     def _start_beat_part(self) -> None:
         assert self.options.beat_app_dir is not None
-        sys.path.insert(0, str(self.options.beat_app_dir))
+        # The ledger module and the repository root (it imports tests.support).
+        paths = [str(self.options.beat_app_dir), str(self.options.beat_app_dir.parent.parent)]
+        sys.path[:0] = paths
         try:
             from cnl_beat_ledger import BeatLedger  # type: ignore[import-not-found]
         finally:
-            sys.path.remove(str(self.options.beat_app_dir))
+            for path in paths:
+                sys.path.remove(path)
         BeatLedger(str(self.ledger_path)).create()
 
         async def state_bucket(nc: Any) -> None:
@@ -533,7 +539,7 @@ class Soak:
             return
         self._stop_sending.set()
         self._sender.join(30)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90  # > the visibility timeout: redeliveries arrive
         while time.monotonic() < deadline and self._committed() < self._sent:
             time.sleep(0.2)
         log = EventLog(self.events_dir / "tasks.jsonl", "tasks")
@@ -732,9 +738,14 @@ class Soak:
         finally:
             fence.close()
         if self.options.pg:
-            from django_nats_leader.models import FenceEpoch
-
-            FenceEpoch.objects.filter(role__in=self.roles).delete()
+            # Plain SQL: the soak's own process may host a Django of its own
+            # (a test run), which must not be configured or used for this.
+            with contextlib.closing(_pg_connect()) as conn, conn.cursor() as cur:
+                cur.execute(
+                    "DELETE FROM django_nats_leader_fenceepoch WHERE role = ANY(%s)",
+                    (list(self.roles),),
+                )
+                conn.commit()
         if self.tasks_ledger.exists():
             # The workers' ledger is a fenced resource too (its commits refuse
             # an epoch older than the newest seen).
@@ -906,14 +917,16 @@ class Soak:
         raise RuntimeError(f"no leader for every role within {timeout}s; see {self.logs_dir}")
 
     def _setup_pg(self) -> None:
-        import django
-        from django.conf import settings
-        from django.core.management import call_command
-
-        if not settings.configured:
-            settings.configure(**pg_settings())
-            django.setup()
-        call_command("migrate", "django_nats_leader", verbosity=0)
+        """Create the fence's table (Django's migration, in a process of its own)."""
+        result = subprocess.run(
+            [sys.executable, "-m", CHILD_MODULE, "--migrate"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"migrating the PostgreSQL fence failed:\n{result.stderr}")
 
 
 def run_soak(options: SoakOptions, progress: Callable[[str], None] | None = None) -> Report:
@@ -930,22 +943,28 @@ def run_soak(options: SoakOptions, progress: Callable[[str], None] | None = None
     return Soak(options).run(progress)
 
 
+def _pg_connect() -> Any:
+    import psycopg2  # type: ignore[import-untyped]
+
+    db = pg_settings()["DATABASES"]["default"]
+    return psycopg2.connect(
+        host=db["HOST"],
+        port=db["PORT"],
+        user=db["USER"],
+        password=db["PASSWORD"],
+        dbname=db["NAME"],
+        connect_timeout=3,
+    )
+
+
 def postgres_reachable() -> bool:
     """Whether the PostgreSQL fence's database answers (``CNL_PG_*``, db ``test``)."""
     try:
-        import psycopg2  # type: ignore[import-untyped]
+        import psycopg2
     except ImportError:
         return False
-    db = pg_settings()["DATABASES"]["default"]
     try:
-        psycopg2.connect(
-            host=db["HOST"],
-            port=db["PORT"],
-            user=db["USER"],
-            password=db["PASSWORD"],
-            dbname=db["NAME"],
-            connect_timeout=3,
-        ).close()
+        _pg_connect().close()
     except psycopg2.Error:
         return False
     return True

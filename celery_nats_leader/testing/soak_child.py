@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionError
+from celery_nats_leader.election.observer import NullObserver
 from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, open_backend
 from celery_nats_leader.token import FencingToken
 
@@ -172,6 +173,24 @@ class _PgFence:
         log.emit("write", t=locked_at, resource="pg", role=role, epoch=token.epoch, accepted=True)
 
 
+class _LeaseObserver(NullObserver):
+    """Records each confirmed renewal's lease deadline (``renewed`` events).
+
+    Called right after the renewal's answer: ``now - seconds`` is its send
+    time, from which the lease runs. The checker ends a belief at the last
+    deadline, even when a starved process writes its ``demote`` line late.
+    """
+
+    def __init__(self, log: EventLog, lease: float) -> None:
+        self._log = log
+        self._lease = lease
+
+    def heartbeat(self, role: str, instance_id: str, seconds: float, ok: bool) -> None:
+        if ok:
+            now = time.monotonic()
+            self._log.emit("renewed", t=now, role=role, until=now - seconds + self._lease)
+
+
 class _Waker(ConnectionListener):
     def __init__(self, elections: list[Election]) -> None:
         self._elections = elections
@@ -233,7 +252,7 @@ async def _run(args: argparse.Namespace, log: EventLog) -> int:
             ttl=args.ttl,
             priority=args.priority,
         )
-        election = Election(config, backend)
+        election = Election(config, backend, observer=_LeaseObserver(log, config.lease_seconds))
 
         def callbacks(election: Election, role: str) -> None:
             @election.on_promote
@@ -289,13 +308,14 @@ async def _run(args: argparse.Namespace, log: EventLog) -> int:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__)
-    parser.add_argument("--url", action="append", required=True, help="NATS URL (repeatable)")
-    parser.add_argument("--id", dest="name", required=True)
-    parser.add_argument("--roles", required=True, help="comma-separated roles")
+    parser.add_argument("--migrate", action="store_true", help="create the PG fence's table")
+    parser.add_argument("--url", action="append", help="NATS URL (repeatable)")
+    parser.add_argument("--id", dest="name")
+    parser.add_argument("--roles", help="comma-separated roles")
     parser.add_argument("--bucket", default="leaders")
     parser.add_argument("--ttl", type=float, default=2.0)
     parser.add_argument("--priority", type=int, default=0)
-    parser.add_argument("--events", required=True, help="directory of the event files")
+    parser.add_argument("--events", help="directory of the event files")
     parser.add_argument("--fence", help="the file fence shared by the candidates")
     parser.add_argument("--pg", action="store_true", help="also write through the PG fence")
     parser.add_argument("--write-interval", type=float, default=0.1)
@@ -310,6 +330,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     """
     args = _parse_args(argv)
+    if args.migrate:
+        _PgFence("migrate")
+        from django.core.management import call_command
+
+        call_command("migrate", "django_nats_leader", verbosity=0)
+        return 0
+    if not (args.url and args.name and args.roles and args.events):
+        raise SystemExit("--url, --id, --roles and --events are required")
     log = EventLog(Path(args.events) / f"{args.name}.jsonl", args.name)
     try:
         return asyncio.run(_run(args, log))

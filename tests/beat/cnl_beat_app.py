@@ -193,6 +193,9 @@ def make_app(config: dict[str, Any]) -> Celery:
     if config.get("kill_points") and "beat" in sys.argv:
         install_kill_points(config["kill_points"])
 
+    # Tasks are not shared (shared=False): tests build several apps in one
+    # process, and a shared task would be registered again on every later
+    # app (Celery then warns of a duplicate task name).
     # The beat tests' tasks use the once-guard, as the documentation
     # recommends: the outbox sends a tick again when a scheduler died after
     # sending it and before recording the send.

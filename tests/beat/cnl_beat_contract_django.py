@@ -64,8 +64,7 @@ def main() -> None:
     def interval(every: int) -> IntervalSchedule:
         return IntervalSchedule.objects.create(every=every, period=IntervalSchedule.SECONDS)
 
-    def create(side: str, name: str) -> None:
-        now = timezone.now()
+    def create(side: str, name: str, now: Any) -> None:
         row: dict[str, Any] = {"name": f"{side}:{name}", "task": "contract.noop"}
         if name == "every-second":
             row["interval"] = interval(1)
@@ -73,14 +72,14 @@ def main() -> None:
             row.update(interval=interval(1), enabled=False)
         elif name == "start-later":
             # Issue 10 #3: django-celery-beat backdates last_run_at by 30 years.
-            row.update(interval=interval(10), start_time=now + timedelta(seconds=2))
+            row.update(interval=interval(30), start_time=now + timedelta(seconds=2))
         elif name == "expires":
-            row.update(interval=interval(1), expires=now + timedelta(seconds=3.5))
+            row.update(interval=interval(1), expires=now + timedelta(seconds=6))
         elif name == "one-off":
             row.update(interval=interval(1), one_off=True)
         elif name == "clocked-now":
             # Issue 10 #4: "run once, now", the recipe of django-celery-beat's docs.
-            clocked = ClockedSchedule.objects.create(clocked_time=timezone.now())
+            clocked = ClockedSchedule.objects.create(clocked_time=now)
             row.update(clocked=clocked, one_off=True)
         elif name == "clocked-just-before":
             clocked = ClockedSchedule.objects.create(clocked_time=now - timedelta(seconds=5))
@@ -107,8 +106,13 @@ def main() -> None:
 
             def apply_async(self, entry: Any, producer: Any = None, **kw: Any) -> Any:
                 result = super().apply_async(entry, producer=producer, **kw)
+                headers = (entry.options or {}).get("headers") or {}
                 record[side]["sent"].append(
-                    [entry.name.removeprefix(prefix), round(time.monotonic() - started, 3)]
+                    [
+                        entry.name.removeprefix(prefix),
+                        round(time.monotonic() - started, 3),
+                        headers.get("nats_leader_tick"),
+                    ]
                 )
                 return result
 
@@ -141,17 +145,20 @@ def main() -> None:
     while not 54.0 <= time.time() % 60 < 56.0:
         time.sleep(0.2)
     # The rows appear while both schedulers run (a change each re-reads at its next tick).
-    for side in SIDES:
-        for name in ROWS:
-            create(side, name)
-    started = time.monotonic()
+    # Each pair of rows at once, their times from one "now": a loaded machine
+    # must not give one side's rows a different start time or expiry.
+    base = timezone.now()
+    for name in ROWS:
+        for side in SIDES:
+            create(side, name, base)
+    started, started_wall = time.monotonic(), time.time()
 
     changes = {
         # An admin enables a row, and slows another one down, while beat runs.
-        3.0: lambda side: PeriodicTask.objects.filter(name=f"{side}:enabled-later").update(
+        5.0: lambda side: PeriodicTask.objects.filter(name=f"{side}:enabled-later").update(
             enabled=True
         ),
-        3.5: lambda side: _slow_down(PeriodicTask.objects.get(name=f"{side}:slowed-down")),
+        6.0: lambda side: _slow_down(PeriodicTask.objects.get(name=f"{side}:slowed-down")),
     }
 
     def _slow_down(task: Any) -> None:
@@ -179,7 +186,7 @@ def main() -> None:
         task.name: {"enabled": task.enabled, "total_run_count": task.total_run_count}
         for task in PeriodicTask.objects.all()
     }
-    print(json.dumps({**record, "rows": rows}))
+    print(json.dumps({**record, "rows": rows, "base": base.timestamp(), "started": started_wall}))
 
 
 if __name__ == "__main__":

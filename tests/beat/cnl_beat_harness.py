@@ -6,7 +6,9 @@
 role's key and to the schedule state bucket, so that the assertions
 (:mod:`cnl_beat_checks`) can tell who wrote what under which term.
 
-Brokers: kombu's filesystem transport always runs. Redis and RabbitMQ are used
+Brokers (``tests.support.brokers``), processes (``tests.support.procs``) and
+the ledger's plumbing (``tests.support.ledger``) are shared with
+``tests/celery``. Brokers: kombu's filesystem transport always runs. Redis and RabbitMQ are used
 at their usual local ports (or ``CNL_REDIS_URL`` / ``CNL_AMQP_URL``); when
 ``CI=true`` they must be reachable (the test fails), elsewhere a missing one
 is skipped with the reason. Django tests use PostgreSQL (``CNL_PG_*``, default
@@ -27,7 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +44,12 @@ from celery_nats_leader.loop_thread import EventLoopThread
 from celery_nats_leader.record import LeaderRecord, decode_record
 from celery_nats_leader.testing import NatsServer
 from celery_nats_leader.testing.services import wait_for
+from tests.support import REPO
+from tests.support.brokers import Broker
+from tests.support.procs import Proc
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
 CELERY = str(Path(sys.executable).parent / "celery")
-REDIS_URL = os.environ.get("CNL_REDIS_URL", "redis://127.0.0.1:6379/0")
-AMQP_URL = os.environ.get("CNL_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 PG_HOST = os.environ.get("CNL_PG_HOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("CNL_PG_PORT", "5432"))
 PG_DB = os.environ.get("CNL_PG_DB", "test")
@@ -65,40 +67,6 @@ FAILOVER = TTL + SLACK
 BEAT_ROLE = "beat"
 LEADERS_BUCKET = "leaders"
 STATE_BUCKET = "leaders_beat"
-
-
-# ------------------------------------------------------------------ brokers
-
-
-@dataclass
-class Broker:
-    kind: str
-    url: str
-    transport_options: dict[str, Any] = field(default_factory=dict)
-    prefix: str = ""
-    queues: set[str] = field(default_factory=set)
-
-    def cleanup(self) -> None:
-        if self.kind == "redis":
-            import redis
-
-            client = redis.Redis.from_url(self.url)
-            try:
-                keys = list(client.scan_iter(match=self.prefix + "*"))
-                if keys:
-                    client.delete(*keys)
-            finally:
-                client.close()
-        elif self.kind == "amqp":
-            from kombu import Connection
-
-            with Connection(self.url) as conn:
-                for name in self.queues:
-                    channel = conn.channel()
-                    with contextlib.suppress(Exception):
-                        channel.queue_delete(name)
-                    with contextlib.suppress(Exception):
-                        channel.close()
 
 
 # ------------------------------------------------------------- databases
@@ -240,68 +208,7 @@ async def create_buckets(url: str, ttl: float) -> None:
         await nc.close()
 
 
-# -------------------------------------------------------------- processes
-
-
-class Proc:
-    """A subprocess in its own process group, logging to a file."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            argv,
-            env=env,
-            cwd=str(HERE),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.stopped_at: float | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive:
-            os.kill(self.pid, sig)
-
-    def signal_group(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, sig)
-
-    def wait(self, timeout: float) -> int:
-        return self.proc.wait(timeout)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Graceful stop (SIGTERM), then SIGKILL of the whole group if it hangs."""
-        if self.alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGCONT)
-            self.signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.signal_group(signal.SIGKILL)
-                self.proc.wait(10)
-        # An embedded beat child may outlive its worker: kill what is left.
-        self.signal_group(signal.SIGKILL)
-        self._log.close()
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def __repr__(self) -> str:
-        return f"<{self.name} pid={self.pid} alive={self.alive}>"
+# ------------------------------------------------------------------ cluster
 
 
 class BeatCluster:
@@ -404,8 +311,9 @@ class BeatCluster:
                 "-l",
                 "INFO",
             ],
-            self.env,
-            self.tmp / f"worker{index}.log",
+            env=self.env,
+            log_path=self.tmp / f"worker{index}.log",
+            cwd=HERE,
         )
         self.workers.append(proc)
         return proc
@@ -426,8 +334,9 @@ class BeatCluster:
                 "-l",
                 "INFO",
             ],
-            self.env,
-            self.tmp / f"beat{index}.log",
+            env=self.env,
+            log_path=self.tmp / f"beat{index}.log",
+            cwd=HERE,
         )
         self.beats.append(proc)
         return proc
@@ -463,8 +372,9 @@ class BeatCluster:
                 "-l",
                 "INFO",
             ],
-            self.env,
-            self.tmp / f"worker-B{index}.log",
+            env=self.env,
+            log_path=self.tmp / f"worker-B{index}.log",
+            cwd=HERE,
         )
         self.embedded.append(proc)
         return proc

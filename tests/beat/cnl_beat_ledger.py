@@ -13,11 +13,11 @@ times; all processes run on this one host) and ``mono`` is
 from __future__ import annotations
 
 import os
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from tests.support.ledger import SqliteLedger
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -43,33 +43,14 @@ class Run:
     mono: float
 
 
-class BeatLedger:
+class BeatLedger(SqliteLedger):
+    """The beat tests' ledger (:class:`tests.support.ledger.SqliteLedger` with its schema)."""
+
     def __init__(self, path: str) -> None:
-        self.path = path
-        self._local = threading.local()
-
-    def _conn(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None or self._local.pid != os.getpid():
-            conn = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-            conn.execute("PRAGMA busy_timeout = 60000")
-            self._local.conn = conn
-            self._local.pid = os.getpid()
-        return conn
-
-    def create(self) -> None:
-        conn = self._conn()
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.executescript(SCHEMA)
-
-    def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
+        super().__init__(path, SCHEMA)
 
     def run(self, **fields: Any) -> None:
-        self._conn().execute(
+        self.execute(
             "INSERT INTO runs (task, task_id, entry, tick, epoch, dispatcher, run, pid, wall, mono)"
             " VALUES (?,?,?,?,?,?,?,?,?,?)",
             (
@@ -87,7 +68,7 @@ class BeatLedger:
         )
 
     def refusal(self, **fields: Any) -> None:
-        self._conn().execute(
+        self.execute(
             "INSERT INTO refusals (task, task_id, entry, tick, token, reason, pid, mono)"
             " VALUES (?,?,?,?,?,?,?,?)",
             (
@@ -108,20 +89,9 @@ class BeatLedger:
         if task is not None:
             sql += " WHERE task = ?"
             params = (task,)
-        return [Run(*row) for row in self._conn().execute(sql + " ORDER BY id", params)]
+        return [Run(*row) for row in self.rows(sql + " ORDER BY id", *params)]
 
     def refusals(self) -> list[tuple[Any, ...]]:
-        return list(
-            self._conn().execute(
-                "SELECT task, task_id, entry, tick, token, reason FROM refusals ORDER BY id"
-            )
-        )
-
-    def count(self, entry: str | None = None) -> int:
-        if entry is None:
-            return int(self._conn().execute("SELECT COUNT(*) FROM runs").fetchone()[0])
-        return int(
-            self._conn()
-            .execute("SELECT COUNT(*) FROM runs WHERE entry = ?", (entry,))
-            .fetchone()[0]
+        return self.rows(
+            "SELECT task, task_id, entry, tick, token, reason FROM refusals ORDER BY id"
         )

@@ -15,50 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cnl_beat_harness import (
-    AMQP_URL,
-    PG_DB,
-    PG_HOST,
-    PG_PORT,
-    REDIS_URL,
-    BeatCluster,
-    Broker,
-    Database,
-    pg_connect,
-)
+from cnl_beat_harness import PG_DB, PG_HOST, PG_PORT, BeatCluster, Database, pg_connect
 
 from celery_nats_leader.testing import NatsServer
-from celery_nats_leader.testing.services import IN_CI, reachable, require_service
+from celery_nats_leader.testing.services import IN_CI, reachable
+from tests.support.brokers import Broker, make_broker
 
 
 @pytest.fixture
 def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Broker]:
     kind = getattr(request, "param", "filesystem")
-    if kind == "filesystem":
-        data, processed, control = (tmp_path / "fs-data", tmp_path / "fs-out", tmp_path / "fs-ctl")
-        for path in (data, processed, control):
-            path.mkdir()
-        spec = Broker(
-            kind,
-            "atomicfs://",  # kombu's filesystem transport, written atomically
-            {
-                "data_folder_in": str(data),
-                "data_folder_out": str(data),
-                "processed_folder": str(processed),
-                "store_processed": False,
-                "control_folder": str(control),
-                "polling_interval": 0.05,
-            },
-        )
-    elif kind == "redis":
-        require_service("redis broker", REDIS_URL)
-        prefix = f"cnl-beat-{uuid.uuid4().hex[:10]}:"
-        spec = Broker(kind, REDIS_URL, {"global_keyprefix": prefix}, prefix=prefix)
-    elif kind == "amqp":
-        require_service("amqp broker", AMQP_URL)
-        spec = Broker(kind, AMQP_URL, {})
-    else:  # pragma: no cover
-        raise ValueError(kind)
+    spec = make_broker(
+        kind, tmp_path, key_prefix=f"cnl-beat-{uuid.uuid4().hex[:10]}:", store_processed=False
+    )
     try:
         yield spec
     finally:

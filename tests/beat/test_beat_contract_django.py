@@ -23,12 +23,13 @@ from typing import Any
 import pytest
 from cnl_beat_harness import Database
 
+from celery_nats_leader.beat.ticks import parse_slot
 from celery_nats_leader.testing import NatsServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 HERE = Path(__file__).parent
-SECONDS = 10.0
+SECONDS = 14.0
 SIDES = ("oracle", "ours")
 
 
@@ -56,7 +57,7 @@ def test_database_rows_behave_as_with_database_scheduler(
 ) -> None:
     result = run_both(nats_server, database)
     counts = {
-        side: Counter(name for name, _ in result[side]["sent"]) for side in ("oracle", "ours")
+        side: Counter(name for name, *_ in result[side]["sent"]) for side in ("oracle", "ours")
     }
     oracle, ours = counts["oracle"], counts["ours"]
     # Once-only rows: exactly what django-celery-beat does.
@@ -69,18 +70,37 @@ def test_database_rows_behave_as_with_database_scheduler(
         ("cron", 1),
     ):
         assert (oracle[name], ours[name]) == (expected, expected), (name, result)
-    # Periodic rows (every second): the same messages, up to the one in flight at the
-    # end, and up to the ticks Celery's interval drifted by: Celery counts the next run
+    # Rows that keep running (every second): the same messages, up to the one in flight
+    # at the end and the ticks Celery's interval drifted by: Celery counts the next run
     # from the (late) send, the leader scheduler from the tick's slot (docs/beat.md).
-    for name in ("every-second", "enabled-later", "expires", "slowed-down"):
-        times = {side: [at for row, at in result[side]["sent"] if row == name] for side in SIDES}
-        assert times["oracle"], (name, result)
-        drift = times["oracle"][-1] - times["oracle"][0] - (len(times["oracle"]) - 1)
-        assert -1 <= ours[name] - oracle[name] <= 1 + math.ceil(max(drift, 0.0)), (name, times)
-    assert ours["expires"] <= 4 and ours["slowed-down"] <= 5 and ours["enabled-later"] >= 5
-    # The start time is honoured: the first message 2 s after the start, not before.
-    [start_later] = [at for name, at in result["ours"]["sent"] if name == "start-later"]
-    assert 1.9 <= start_later <= 3.5
+    times = {
+        name: {side: [at for row, at, *_ in result[side]["sent"] if row == name] for side in SIDES}
+        for name in ("every-second", "enabled-later", "expires", "slowed-down")
+    }
+    for name in ("every-second", "enabled-later"):
+        oracle_times = times[name]["oracle"]
+        assert oracle_times, (name, result)
+        drift = oracle_times[-1] - oracle_times[0] - (len(oracle_times) - 1)
+        assert -1 <= ours[name] - oracle[name] <= 1 + math.ceil(max(drift, 0.0)), times[name]
+        assert min(times[name]["ours"]) >= (5.0 if name == "enabled-later" else 0.0)
+    # Rows that stop (expired at +6 s, slowed down to every 100 s at +6 s of the
+    # run): both sent some; the leader scheduler only ticks whose slot came before.
+    stops = {
+        # expires = the rows' creation + 6 s: a tick is sent only while not expired.
+        "expires": result["base"] + 6.0,
+        # Changed 6 s into the run, noticed at the next tick (at most 1 s), plus slack.
+        "slowed-down": result["started"] + 6.0 + 1.0 + 1.0,
+    }
+    for name, stop in stops.items():
+        assert oracle[name] >= 1 and ours[name] >= 1, times[name]
+        assert ours[name] >= oracle[name] - 1, times[name]
+        slots = [tick for row, _, tick in result["ours"]["sent"] if row == name]
+        assert all(parse_slot(tick).timestamp() < stop for tick in slots), (name, slots, stop)
+    assert ours["expires"] <= 7
+    # The start time is honoured: the tick is found due at the start time, not before
+    # (its identity is the time it was found due: the 30-year-old anchor has no slot).
+    [start_later] = [tick for name, _, tick in result["ours"]["sent"] if name == "start-later"]
+    assert parse_slot(start_later).timestamp() - result["base"] >= 2.0
     # Expired and spent one-off rows are disabled in the database, as django-celery-beat does.
     rows = result["rows"]
     for name in ("expires", "one-off", "clocked-now"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -247,3 +248,19 @@ def test_beat_serves_election_and_tick_metrics(make: Callable[..., Recording]) -
         f'nats_leader_beat_ticks_total{{entry="every-ten",instance="{instance}",'
         f'outcome="dispatched",role="beat"}} 3.0'
     ) in text
+
+
+def test_an_embedded_beat_leaves_the_metrics_port_to_its_worker(
+    make: Callable[..., Recording],
+) -> None:
+    # celery worker -B runs beat in a process (or thread) named "Beat"; the worker
+    # serves nats_leader_metrics_port, so the embedded beat must not take it.
+    made: list[Recording] = []
+    thread = threading.Thread(
+        target=lambda: made.append(make(nats_leader_required=True, nats_leader_metrics_port=0)),
+        name="Beat",
+    )
+    thread.start()
+    thread.join(30)
+    [scheduler] = made
+    assert scheduler.nats_leader_metrics_port is None

@@ -17,9 +17,10 @@ import urllib.request
 from typing import Any
 
 import pytest
-from cnl_celery_harness import Cluster, Worker, wait_for
+from cnl_celery_harness import Cluster, wait_for
 
 from celery_nats_leader.testing import free_port
+from tests.support.procs import Proc
 
 pytestmark = [pytest.mark.celery, pytest.mark.integration]
 
@@ -28,12 +29,12 @@ pytestmark = [pytest.mark.celery, pytest.mark.integration]
 SLACK = 2.0
 
 
-def exit_times(*workers: Worker, timeout: float = 60.0) -> list[float]:
+def exit_times(*workers: Proc, timeout: float = 60.0) -> list[float]:
     """SIGTERM the workers at once; seconds until each exited (with code 0)."""
     started = time.monotonic()
     times: dict[int, float] = {}
 
-    def wait(worker: Worker) -> None:
+    def wait(worker: Proc) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             worker.wait(timeout)
             times[worker.pid] = time.monotonic() - started

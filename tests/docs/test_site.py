@@ -8,6 +8,7 @@ fails here.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,28 @@ def test_mkdocs_build_strict_has_no_warning(tmp_path: Path) -> None:
     assert "WARNING" not in result.stderr, result.stderr
     pages = sorted(p.parent.name for p in tmp_path.glob("*/index.html"))
     assert "getting-started" in pages and "design" in pages, pages
+
+
+README = ROOT / "README.md"
+
+
+def test_readme_stays_a_front_door() -> None:
+    # The reference lives in docs/; the README is what it is, two commands,
+    # quickstarts, headline numbers and links.
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move reference into docs/"
+
+
+def test_readme_links_into_the_site_resolve() -> None:
+    from markdown.extensions.toc import slugify
+
+    text = README.read_text()
+    links = re.findall(r"\]\((docs/[^)#\s]+)(?:#([^)\s]+))?\)", text)
+    assert links, "the README links into docs/"
+    for path, anchor in links:
+        page = ROOT / path
+        assert page.is_file(), f"README links to missing {path}"
+        if anchor:
+            headings = re.findall(r"^#{1,6} (.+?)\s*$", page.read_text(), re.M)
+            slugs = {slugify(h, "-") for h in headings}
+            assert anchor in slugs, f"README links to {path}#{anchor}: no such heading"

@@ -177,3 +177,21 @@ def test_events_are_read_from_every_file_and_a_torn_last_line_is_skipped(
         (1.0, "chaos", "start"),
         (2.0, "c1", "promote"),
     ]
+
+
+def test_a_late_demote_line_ends_the_belief_at_the_lease_deadline() -> None:
+    # c1's last renewal was sent at 4.9 (lease until 6.7); starved, it wrote its
+    # demote line at 7.3, after c2 was promoted at 7.0: no overlap, the lease
+    # ended before.
+    events = [
+        ev(1.0, "c1", "promote", role="r", epoch=3, lease=1.8),
+        ev(4.95, "c1", "renewed", role="r", until=6.7),
+        ev(7.0, "c2", "promote", role="r", epoch=9, lease=1.8),
+        ev(7.3, "c1", "demote", role="r", reason="lease_expired"),
+    ]
+    assert check(events, ttl=TTL).ok
+    # A renewal whose lease reaches past the successor's promotion is an overlap.
+    events.insert(2, ev(5.6, "c1", "renewed", role="r", until=7.2))
+    report = check(events, ttl=TTL)
+    assert [v.kind for v in report.violations] == ["overlap"]
+    assert report.overlap_seconds == pytest.approx(0.2)
