@@ -8,6 +8,9 @@ the app's configuration::
     celery -A proj nats-leader resign reports    # ask the leader of "reports" to step down
     celery -A proj nats-leader resign reports --json  # ... and report the successor as JSON
     celery -A proj nats-leader bucket --create   # the KV buckets, with the configured TTL
+    celery -A proj nats-leader fence reports     # end a stuck leader's term now
+    celery -A proj nats-leader events --follow   # every transition, as it happens
+    celery -A proj nats-leader release           # hand over what this host leads (preStop)
 
 Exit codes: 0 all right; 1 a configured role has no leader (``status``), no
 leader stepped down (``resign``) or a bucket is missing or wrong
@@ -23,7 +26,9 @@ unlike in long-lived processes).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -32,12 +37,14 @@ import click
 
 from celery_nats_leader import constants as c
 from celery_nats_leader.config import validate_bucket, validate_key
+from celery_nats_leader.election import control_subject
 from celery_nats_leader.errors import (
     BackendTimeoutError,
     ConfigError,
     ElectionError,
     NotLeaderError,
 )
+from celery_nats_leader.events import TransitionEvent
 from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.bucket import (
     BucketAction,
@@ -46,6 +53,13 @@ from celery_nats_leader.ops.bucket import (
     bucket_targets,
 )
 from celery_nats_leader.ops.bucket import outcome_lines as bucket_lines
+from celery_nats_leader.ops.events import (
+    StreamInfo,
+    ensure_events_stream,
+    show_events,
+    stream_info,
+)
+from celery_nats_leader.ops.fence import FenceOutcome, fence_leader
 from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.ops.resign import outcome_lines, outcome_to_dict, request_resignation
 from celery_nats_leader.ops.status import RoleStatus, read_status
@@ -95,6 +109,10 @@ def _table(statuses: Sequence[RoleStatus], configured: Sequence[str]) -> str:
         leader = status.leader_id or ("-- none --" if status.role in configured else "-")
         if status.problem:
             leader = f"?? {status.problem}"
+        elif status.silent:
+            leader = f"{leader} (not answering)"
+        elif status.fenced is not None:
+            leader = "-- fenced --"
         rows.append(
             (
                 status.role,
@@ -137,17 +155,25 @@ def nats_leader() -> None:
     show_default=True,
     help="Seconds to collect the live candidates' own answers (term age, lease).",
 )
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Also exit 1 when a configured role's leader does not answer (paused, hung, dead).",
+)
 @click.pass_context
 def status(
     ctx: click.Context,
+    *,
     as_json: bool,
     timeout: float,
     extra_roles: tuple[str, ...],
     window: float,
+    strict: bool,
 ) -> None:
     """Print every role of the bucket with its leader and term.
 
-    Exits 1 when a configured role (nats_leader_roles, plus --role) has no leader.
+    Exits 1 when a configured role (nats_leader_roles, plus --role) has no
+    leader, or with --strict when its leader does not answer.
     """
     settings = _settings(ctx)
     configured = list(dict.fromkeys([*settings.roles, *extra_roles]))
@@ -159,20 +185,25 @@ def status(
         )
         ctx.exit(EXIT_ERROR)
     leaderless = [s.role for s in statuses if s.role in configured and not s.has_leader]
+    silent = [s.role for s in statuses if s.role in configured and s.silent]
     if as_json:
         body = {
             "bucket": settings.bucket,
             "configured_roles": configured,
             "leaderless": leaderless,
+            "silent": silent,
             "roles": [s.to_dict() for s in statuses],
         }
         click.echo(json.dumps(body, indent=2, sort_keys=True, default=str))
     else:
         click.echo(f"bucket {settings.bucket!r} on {', '.join(settings.servers)}")
         click.echo(_table(statuses, configured))
+        for one in statuses:
+            if one.note:
+                click.echo(f"{one.role}: {one.leader_id or 'nobody leads'}: {one.note}")
         if leaderless:
             click.echo(f"no leader: {', '.join(leaderless)}", err=True)
-    ctx.exit(EXIT_NO_LEADER if leaderless else EXIT_OK)
+    ctx.exit(EXIT_NO_LEADER if leaderless or (strict and silent) else EXIT_OK)
 
 
 @nats_leader.command()
@@ -264,6 +295,13 @@ def _beat_is_elected(conf: Any) -> bool:
     is_flag=True,
     help="Include the beat state bucket (automatic when beat_scheduler is a leader scheduler).",
 )
+@click.option(
+    "--events-max-age",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="Keep the transition events in a stream for this long (created with --create).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for NATS.")
 @click.pass_context
@@ -276,10 +314,11 @@ def bucket(
     ttl: float | None,
     replicas: int | None,
     beat_state: bool,
+    events_max_age: float | None,
     as_json: bool,
     timeout: float,
 ) -> None:
-    """Check, create or delete the elections' KV buckets.
+    """Check, create or delete the elections' KV buckets (and the optional events stream).
 
     The election bucket needs max_age equal to the TTL and history 1; the beat
     schedule's state bucket needs history 1 and no max_age. --create makes the
@@ -310,25 +349,48 @@ def bucket(
             abort=True,
         )
 
-    async def run() -> list[BucketOutcome]:
+    async def run() -> tuple[list[BucketOutcome], StreamInfo | None]:
         name = operator_name("celery nats-leader bucket")
         async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
-            return await apply_to_buckets(backend, wanted, action, timeout=timeout)
+            found = await apply_to_buckets(backend, wanted, action, timeout=timeout)
+            stream = None
+            if events_max_age is not None and action != "delete":
+                stream = (
+                    await ensure_events_stream(
+                        backend,
+                        wanted[0].name,
+                        max_age=events_max_age,
+                        replicas=settings.bucket_replicas,
+                        timeout=timeout,
+                    )
+                    if action == "create"
+                    else await stream_info(backend, wanted[0].name, timeout=timeout)
+                )
+            return found, stream
 
     try:
-        outcomes = asyncio.run(run())
+        outcomes, stream = asyncio.run(run())
     except ElectionError as exc:
         click.echo(f"Error: cannot use the buckets: {exc}", err=True)
         ctx.exit(EXIT_ERROR)
     failing = [o for o in outcomes if o.problems]
     if as_json:
-        body = {"ok": not failing, "buckets": [o.to_dict() for o in outcomes]}
+        body: dict[str, Any] = {"ok": not failing, "buckets": [o.to_dict() for o in outcomes]}
+        if events_max_age is not None:
+            body["events_stream"] = None if stream is None else dataclasses.asdict(stream)
         click.echo(json.dumps(body, sort_keys=True))
     else:
         create = f"celery -A {app.main or '<app>'} nats-leader bucket --create"
         for outcome in outcomes:
             for style, text in bucket_lines(outcome, create_command=create):
                 click.echo(click.style(text, **_STYLES[style]) if style else text)
+        if events_max_age is not None:
+            click.echo(
+                "events stream: none (create it with --create --events-max-age)"
+                if stream is None
+                else f"events stream {stream.name!r} {'created' if stream.created else 'exists'}"
+                f" (max_age {stream.max_age:g}s, {stream.messages} events)"
+            )
     ctx.exit(EXIT_NO_LEADER if failing else EXIT_OK)
 
 
@@ -337,6 +399,221 @@ _STYLES: dict[str, dict[str, Any]] = {
     "error": {"fg": "red"},
     "success": {"fg": "green"},
 }
+
+
+async def _ask_to_resign(
+    settings: LeaderSettings, role: str, leader_id: str, timeout: float
+) -> dict[str, Any] | None:
+    async with await open_backend(
+        settings.connection, timeout=timeout, name="celery-nats-leader-cli"
+    ) as backend:
+        # Naming the leader: only that process steps down, never a successor.
+        body = {"requester": operator_name("celery nats-leader release"), "id": leader_id}
+        try:
+            reply = await backend.request(
+                control_subject(settings.bucket, role, c.RESIGN_VERB),
+                json.dumps(body).encode(),
+                timeout=timeout,
+            )
+        except ElectionError:
+            return None
+        answer = json.loads(reply)
+        return answer if isinstance(answer, dict) else None
+
+
+@nats_leader.command()
+@click.option(
+    "--host",
+    default=None,
+    help="Release the roles led by processes of this host (default: this host's name).",
+)
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds per NATS operation.")
+@click.pass_context
+def release(ctx: click.Context, host: str | None, timeout: float) -> None:
+    """Ask every leader running on this host to hand its role over (a preStop hook).
+
+    Reads who leads each role; each leader whose record names HOST (its
+    ``hostname`` metadata, the pod name in Kubernetes) is asked to step down,
+    so successors on other hosts take over in milliseconds before this
+    host's processes receive SIGTERM. Exits 0 also when nothing here leads.
+    """
+    settings = _settings(ctx)
+    host = host or socket.gethostname()
+    try:
+        statuses = asyncio.run(_read(settings, list(settings.roles), timeout, 0.0))
+    except ElectionError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+    here = [s for s in statuses if s.has_leader and s.leader_meta.get("hostname") == host]
+    if not here:
+        click.echo(f"no role of bucket {settings.bucket!r} is led from {host}")
+    for one in here:
+        assert one.leader_id is not None
+        answer = asyncio.run(_ask_to_resign(settings, one.role, one.leader_id, timeout))
+        accepted = bool(answer and answer.get("accepted"))
+        click.echo(
+            f"{one.role}: {one.leader_id} {'stepping down' if accepted else 'did not step down'}"
+        )
+    ctx.exit(EXIT_OK)
+
+
+async def _fence(
+    settings: LeaderSettings, role: str, epoch: int | None, timeout: float, wait: float
+) -> FenceOutcome:
+    requester = operator_name("celery nats-leader fence")
+    async with await open_backend(settings.connection, timeout=timeout, name=requester) as backend:
+        return await fence_leader(
+            backend,
+            settings.election_config(role).bucket,
+            role,
+            requester=requester,
+            epoch=epoch,
+            timeout=timeout,
+            wait=wait,
+        )
+
+
+@nats_leader.command()
+@click.argument("role")
+@click.option("--epoch", type=int, default=None, help="Fence only this term (its epoch).")
+@click.option(
+    "--wait",
+    default=None,
+    type=float,
+    help="Seconds to wait for the new leader (default: the role's TTL; 0: no wait).",
+)
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds per NATS operation.")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@click.pass_context
+def fence(
+    ctx: click.Context,
+    role: str,
+    *,
+    epoch: int | None,
+    wait: float | None,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """End the current term of ROLE at once (a stuck or paused leader).
+
+    A conditional update at the observed revision replaces the leader's record
+    with a fence marker: every fenced check of the old term fails from then on,
+    and a live candidate takes the role in milliseconds instead of after the
+    TTL. A leader that is not stuck steps down within one heartbeat.
+    Exits 1 when nobody leads ROLE (or its term is not --epoch).
+    """
+    settings = _settings(ctx)
+    try:
+        validate_key(role, "ROLE")
+    except ConfigError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+    if wait is None:
+        wait = settings.election_config(role).ttl
+    try:
+        outcome = asyncio.run(_fence(settings, role, epoch, timeout, wait))
+    except NotLeaderError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_NO_LEADER)
+    except ElectionError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+    if as_json:
+        click.echo(json.dumps(outcome.to_dict(), sort_keys=True))
+    else:
+        click.echo(
+            f"fenced {outcome.fenced.id} (epoch {outcome.fenced.epoch}) at revision "
+            f"{outcome.revision}"
+        )
+        if outcome.successor is not None:
+            took = outcome.promoted_after or 0.0
+            click.echo(
+                f"new leader of {role!r}: {outcome.successor.id} "
+                f"(epoch {outcome.successor.epoch}) after {took * 1000:.0f} ms"
+            )
+        elif wait > 0:
+            click.echo(f"no new leader of {role!r} within {wait:g}s", err=True)
+    ctx.exit(EXIT_OK)
+
+
+async def _events(
+    settings: LeaderSettings,
+    *,
+    role: str | None,
+    follow: bool,
+    limit: int | None,
+    count: int | None,
+    as_json: bool,
+    timeout: float,
+) -> bool:
+    def emit(event: TransitionEvent) -> None:
+        text = json.dumps(event.to_dict(), sort_keys=True) if as_json else event.describe()
+        click.echo(text)
+
+    async with await open_backend(
+        settings.connection, timeout=timeout, name="celery-nats-leader-cli"
+    ) as backend:
+        return await show_events(
+            backend,
+            settings.bucket,
+            emit,
+            role=role,
+            follow=follow,
+            limit=limit,
+            count=count,
+            timeout=timeout,
+        )
+
+
+@nats_leader.command()
+@click.option("--role", default=None, help="Only this role's events.")
+@click.option("--follow", is_flag=True, help="Keep printing events as they happen (Ctrl-C stops).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--limit", type=int, default=None, help="Only the newest N kept events.")
+@click.option("--count", type=int, default=None, help="With --follow: stop after N live events.")
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds per NATS operation.")
+@click.pass_context
+def events(
+    ctx: click.Context,
+    *,
+    role: str | None,
+    follow: bool,
+    as_json: bool,
+    limit: int | None,
+    count: int | None,
+    timeout: float,
+) -> None:
+    """Print the leadership transitions: promoted, demoted (why), released, resigned, fenced.
+
+    The history comes from the bucket's events stream when an operator created
+    one (``manage.py election_bucket --create --events-max-age``); live events
+    (--follow) need nothing but NATS.
+    """
+    settings = _settings(ctx)
+    try:
+        kept = asyncio.run(
+            _events(
+                settings,
+                role=role,
+                follow=follow,
+                limit=limit,
+                count=count,
+                as_json=as_json,
+                timeout=timeout,
+            )
+        )
+    except KeyboardInterrupt:
+        ctx.exit(EXIT_OK)
+    except ElectionError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+    if not kept:
+        click.echo(
+            f"no events stream for bucket {settings.bucket!r}: only live events (--follow) "
+            "can be shown",
+            err=True,
+        )
+    ctx.exit(EXIT_OK)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,6 +8,7 @@ consistent configuration; the derived values are visible on the instance.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
 import socket
@@ -23,6 +24,40 @@ from celery_nats_leader.errors import ConfigError
 HealthCheck = Callable[[], "bool | Awaitable[bool]"]
 
 Strategy = Literal["kv", "allcall"]
+
+
+def resolve_health_check(value: object, setting: str = "health_check") -> HealthCheck | None:
+    """Turn a ``health_check`` setting into a callable.
+
+    Args:
+        value: ``None``, a callable, or a dotted path to one
+            (``"proj.health:db_ok"`` or ``"proj.health.db_ok"``).
+        setting: The setting's name, for the error message.
+
+    Returns:
+        The callable, or ``None``.
+
+    Raises:
+        ConfigError: The path cannot be imported or does not name a callable.
+
+    """
+    if value is None or callable(value):
+        return value
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{setting}={value!r} must be a callable or a dotted path to one")
+    path = value.strip()
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"{setting}={value!r}: cannot import it ({exc})") from exc
+    if not callable(target):
+        raise ConfigError(f"{setting}={value!r} is not callable")
+    return target  # type: ignore[no-any-return]
 
 
 def default_instance_id() -> str:

@@ -96,6 +96,14 @@ CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS = 30.0
 #: requests). Layout: ``{prefix}.{bucket}.{role}.{verb}``.
 CONTROL_SUBJECT_PREFIX = "_NATS_LEADER"
 ROSTER_VERB = "roster"
+
+#: Transition events: ``{prefix}.{bucket}.{role}`` (the role last: it may
+#: contain dots), kept by the optional stream ``{stream prefix}{bucket}``.
+EVENTS_SUBJECT_PREFIX = "_NATS_LEADER_EVENTS"
+EVENTS_STREAM_PREFIX = "NATS_LEADER_EVENTS_"
+
+#: Events an election keeps while it cannot publish them (disconnected).
+EVENT_BUFFER = 64
 RESIGN_VERB = "resign"
 
 #: How long a roster request collects answers from live candidates, seconds.
@@ -109,6 +117,9 @@ BUCKET_PATTERN = re.compile(r"^[a-zA-Z0-9_-]+$")
 
 #: Default NATS server URL.
 DEFAULT_SERVERS = ("nats://127.0.0.1:4222",)
+
+#: The ``id`` of a fence marker (an operator ended a term; nobody leads).
+FENCE_ID = "fenced"
 
 #: Version of the JSON record layout, written into every record.
 RECORD_VERSION = 1

@@ -310,6 +310,12 @@ class Elector(ConnectionListener):
         """Whether the elector has connected (and started its roles)."""
         return self._connected.is_set()
 
+    @property
+    def nats_connected(self) -> bool:
+        """Whether the NATS connection is up right now (``False`` while reconnecting)."""
+        backend = self._backend
+        return self._connected.is_set() and backend is not None and backend.is_connected
+
     # ---------------------------------------------------------- lifecycle
 
     def start(self, *, timeout: float = 10.0, require_connection: bool = True) -> None:

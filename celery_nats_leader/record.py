@@ -8,6 +8,16 @@ Example::
 The first write of a term (the ``create``) cannot know its own revision, so it
 carries ``"epoch": null``; for such a record the epoch *is* the entry's
 revision. Every renewal writes the epoch explicitly.
+
+A *fence marker* is written by an operator over a stuck leader's record
+(``nats-leader fence``): it names no leader, only the term it ended::
+
+    {"v": 1, "id": "fenced", "token": "<uuid4>", "epoch": null, "priority": 0,
+     "meta": {}, "fenced": {"id": "web-3:4121:9f2c", "epoch": 412, "by": "ops@host"}}
+
+Its epoch (its own revision) is newer than the fenced term's, so every fenced
+check of that term fails; candidates treat the key as vacant and take it with
+a conditional update at the marker's revision.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_nats_leader.constants import RECORD_VERSION
+from celery_nats_leader.constants import FENCE_ID, RECORD_VERSION
 from celery_nats_leader.errors import RecordFormatError
 from celery_nats_leader.token import FencingToken
 
@@ -33,6 +43,8 @@ class LeaderRecord:
         revision: Revision of the entry this record was read from (0 if unknown).
         priority: The leader's priority.
         meta: Free-form metadata the leader published (hostname, pid, ...).
+        fenced: For a fence marker, the term it ended (``id``, ``epoch``,
+            ``by``); ``None`` for a leader's record.
 
     """
 
@@ -42,6 +54,12 @@ class LeaderRecord:
     revision: int = 0
     priority: int = 0
     meta: Mapping[str, Any] = field(default_factory=dict)
+    fenced: Mapping[str, Any] | None = None
+
+    @property
+    def is_fence(self) -> bool:
+        """Whether this is an operator's fence marker (nobody leads) rather than a leader."""
+        return self.fenced is not None
 
     @property
     def fencing_token(self) -> FencingToken:
@@ -96,6 +114,31 @@ def encode_record(
     return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
 
+def encode_fence(*, token: str, fenced_id: str, fenced_epoch: int, by: str) -> bytes:
+    """Serialize a fence marker that ends the term ``fenced_epoch`` of ``fenced_id``.
+
+    Args:
+        token: A fresh random value (nobody's term carries it).
+        fenced_id: Instance id of the leader whose term ends.
+        fenced_epoch: Epoch of that term.
+        by: Who fenced (operator tool and host), for the record.
+
+    Returns:
+        Compact JSON bytes.
+
+    """
+    body = {
+        "v": RECORD_VERSION,
+        "id": FENCE_ID,
+        "token": token,
+        "epoch": None,
+        "priority": 0,
+        "meta": {},
+        "fenced": {"id": fenced_id, "epoch": fenced_epoch, "by": by},
+    }
+    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+
 def decode_record(value: bytes, revision: int) -> LeaderRecord:
     """Parse a record read from the store.
 
@@ -133,6 +176,15 @@ def decode_record(value: bytes, revision: int) -> LeaderRecord:
         raise RecordFormatError(f"record at revision {revision} has a bad 'priority'")
     if not isinstance(meta, dict):
         meta = {}
+    fenced = body.get("fenced")
+    if fenced is not None and not isinstance(fenced, dict):
+        raise RecordFormatError(f"record at revision {revision} has a bad 'fenced'")
     return LeaderRecord(
-        id=instance_id, token=token, epoch=epoch, revision=revision, priority=priority, meta=meta
+        id=instance_id,
+        token=token,
+        epoch=epoch,
+        revision=revision,
+        priority=priority,
+        meta=meta,
+        fenced=fenced,
     )

@@ -22,6 +22,7 @@ from celery_nats_leader.config import (
     ElectionConfig,
     Strategy,
     default_instance_id,
+    resolve_health_check,
     validate_bucket,
     validate_key,
 )
@@ -141,6 +142,18 @@ class LeaderSettings:
     role_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Per-role overrides of any ElectionConfig field, e.g. ``{"beat": {"ttl": 5}}``."""
 
+    health_check: Any = None
+    """Fit to lead? A callable (sync or async, returns bool) or its dotted path
+    (``"proj.health:db_ok"``), run while leading; per role in ``role_options``.
+    Built in: ``celery_nats_leader.worker.health.broker_reachable``,
+    ``django_nats_leader.health.database_reachable``."""
+
+    health_check_interval: float = 0.0
+    """Seconds between health checks while leading; 0 = the heartbeat."""
+
+    health_check_failures: int = 3
+    """Consecutive failed health checks after which the leader resigns."""
+
     services: Mapping[str, Any] = field(default_factory=dict)
     """Leader services of a worker: role -> list of ``"module:function"`` run on the
     role's leader while it leads (see :func:`celery_nats_leader.leader_service`)."""
@@ -238,9 +251,13 @@ class LeaderSettings:
             "bucket_replicas": self.bucket_replicas,
             "strategy": self.strategy,
             "max_clock_skew": self.max_clock_skew,
+            "health_check": self.health_check,
+            "health_check_interval": self.health_check_interval,
+            "health_check_failures": self.health_check_failures,
         }
         base.update(self.role_options.get(role, {}))
         try:
+            base["health_check"] = resolve_health_check(base["health_check"], "health_check")
             return ElectionConfig.from_mapping(base)
         except ConfigError as exc:
             raise ConfigError(f"nats_leader settings for role {role!r}: {exc}") from exc

@@ -60,6 +60,7 @@ class ElectionStatus(models.Model):
         verbose_name = "election status"
         verbose_name_plural = "election status"
         default_permissions = ("view",)
+        permissions = (("operate_election", "Can resign and fence election leaders"),)
 
     def __str__(self) -> str:
         return self.role

@@ -70,6 +70,7 @@ class RoleRow:
         host: The leader's host and pid.
         problem: Why the key could not be read, if so.
         candidates: The live candidates.
+        note: What else an operator should know (a leader not answering, a fence).
 
     """
 
@@ -83,6 +84,7 @@ class RoleRow:
     host: str
     problem: str
     candidates: tuple[CandidateRow, ...]
+    note: str = ""
 
 
 def _host(meta: dict[str, Any]) -> str:
@@ -123,6 +125,7 @@ def _role_row(status: RoleStatus, configured: bool) -> RoleRow:
         host=_host(status.leader_meta),
         problem=status.problem or "",
         candidates=candidates,
+        note=status.note or "",
     )
 
 
@@ -170,6 +173,9 @@ def status_text(
         if rows
         else "no roles yet"
     )
+    silent = sum(1 for s in report.roles if s.silent)
+    if silent:
+        summary += f", {silent} leader{'s' if silent != 1 else ''} not answering"
     lines = [head(f"Bucket {report.bucket!r} on {', '.join(report.servers)}: {summary}"), ""]
     lines += _table(
         ("ROLE", "LEADER", "EPOCH", "TERM AGE", "EXPIRES IN", "HOST"),
@@ -188,6 +194,8 @@ def status_text(
     )
     for r in rows:
         lines.append("")
+        if r.note:
+            lines.append((bad or head)(f"{r.role}: {r.leader}: {r.note}"))
         if not r.candidates:
             lines.append(head(f"{r.role}: no live candidate answered"))
             continue

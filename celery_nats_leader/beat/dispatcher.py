@@ -162,9 +162,9 @@ class TickDispatcher:
     Args:
         store: The state store.
         instance_id: This scheduler's election id (written as ``by``).
-        send_guard: A context manager factory entered around "check the lease,
-            send" (the Celery mixin defers SIGTERM there, so a graceful stop
-            cannot fall between the commit and the send).
+        send_guard: A context manager factory entered around "commit, check
+            the lease, send, record" (the Celery mixin defers SIGTERM there, so
+            a graceful stop cannot fall between the commit and the record).
         is_permanent: Whether a send's exception will recur on every attempt
             (a message that cannot be serialized): such a tick is not handed
             back, since retrying it would only fail again.
@@ -352,11 +352,13 @@ class TickDispatcher:
                 task=tick.task or state.task,
                 pending=True,
             )
-        committed = self._commit(lease, token, state, new)
-        if isinstance(committed, Dispatched):
-            return committed
-        # 3. Send, unless the lease ended meanwhile; 4. revert when not sent.
+        # A graceful stop (SIGTERM) waits for the commit, the send and the
+        # record: it never leaves a pending tick behind it.
         with self.send_guard():
+            committed = self._commit(lease, token, state, new)
+            if isinstance(committed, Dispatched):
+                return committed
+            # 3. Send, unless the lease ended meanwhile; 4. revert when not sent.
             if not lease.is_leader:
                 return self._revert(committed, state, token, "the lease ended before the send")
             try:
@@ -385,9 +387,9 @@ class TickDispatcher:
                     exc_info=True,
                 )
                 return self._revert(committed, state, token, "the send failed", exc)
-        # 4. Record the send: the outbox's completion.
-        self.sent[tick.name] = committed.commit
-        committed = self._record_sent(committed)
+            # 4. Record the send: the outbox's completion.
+            self.sent[tick.name] = committed.commit
+            committed = self._record_sent(committed)
         self.states[tick.name] = committed
         return Dispatched(Outcome.SENT, committed)
 

@@ -80,14 +80,15 @@ def _beat_nodename() -> str:
 
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
-    """Hold SIGTERM and SIGINT back while a committed tick is being sent.
+    """Hold SIGTERM and SIGINT back while a tick is committed, sent and recorded.
 
     ``celery beat``'s SIGTERM handler closes the scheduler and raises
-    ``SystemExit`` wherever the main thread is; between the commit and the
-    send that would lose the tick on a plain graceful stop. Python runs
-    signal handlers on the main thread only, so swapping the handlers there
-    for the few hundred microseconds of the send is enough. Elsewhere (the
-    embedded beat thread) signals never interrupt this code.
+    ``SystemExit`` wherever the main thread is, a KV round trip included;
+    between the commit and the record that would leave the tick pending on a
+    plain graceful stop, for the next scheduler to send (late, maybe twice).
+    Python runs signal handlers on the main thread only, so swapping the
+    handlers there for the millisecond of the dispatch is enough. Elsewhere
+    (the embedded beat thread) signals never interrupt this code.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -167,7 +168,7 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             # Imported only when asked for: prometheus-client is an optional extra.
             from celery_nats_leader.prometheus import PrometheusObserver
 
-            self.nats_leader_observer = PrometheusObserver()
+            self.nats_leader_observer = PrometheusObserver(bucket=settings.bucket)
             self.nats_leader_metrics.export_to(self.nats_leader_observer.registry)
         self._closed = False
         self._unsynced = 0

@@ -301,7 +301,7 @@ class AllcallElection(BaseElection):
         self._ending_reason = DemoteReason.STOPPED
         self._set_state(ElectionState.STOPPED)
         if was_leader:
-            await self._callbacks.submit(self._demote_callbacks, DemoteReason.STOPPED)
+            await self._notify_demoted(DemoteReason.STOPPED)
         released = claim if self.config.release_on_stop else None
         if released is not None:
             self._forget_claim(released)
@@ -542,7 +542,7 @@ class AllcallElection(BaseElection):
         self._end_term()
         self._adopt(better)
         if was_leader:
-            self._callbacks.submit(self._demote_callbacks, DemoteReason.REVISION_CHANGED)
+            self._notify_demoted(DemoteReason.REVISION_CHANGED)
         else:
             self._observer.campaign(self.role, self.instance_id, False)
         self.wake()
@@ -564,7 +564,7 @@ class AllcallElection(BaseElection):
         self._ending_reason = reason
         self._end_term()
         logger.info("%s: demoted (%s)", self.role, reason.value)
-        self._callbacks.submit(self._demote_callbacks, reason)
+        self._notify_demoted(reason)
         self.wake()
 
     # ------------------------------------------------------------ handlers
@@ -877,7 +877,7 @@ class AllcallElection(BaseElection):
         self._set_state(ElectionState.LEADER)
         self._observer.campaign(self.role, self.instance_id, True)
         logger.info("%s: promoted, epoch %d", self.role, token.epoch)
-        self._callbacks.submit(self._promote_callbacks, token)
+        self._notify_promoted(token)
         self._watch_health(token)
 
     async def _release(self, reason: DemoteReason) -> None:
@@ -891,7 +891,7 @@ class AllcallElection(BaseElection):
         # Sit out one TTL so that someone else takes the role.
         self._sit_out_until = self._clock.monotonic() + self.config.ttl
         logger.info("%s: stepping down (%s)", self.role, reason.value)
-        await self._callbacks.submit(self._demote_callbacks, reason)
+        await self._notify_demoted(reason)
         self._forget_claim(claim)
         await self._publish(ALLCALL_VERB, self._message("release", claim=claim))
         logger.info("%s: released the term (epoch %d)", self.role, claim.epoch)

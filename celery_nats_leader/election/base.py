@@ -27,6 +27,7 @@ import enum
 import json
 import logging
 import random
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -38,6 +39,7 @@ from celery_nats_leader.election.callbacks import CallbackRunner
 from celery_nats_leader.election.health import watch_health
 from celery_nats_leader.election.observer import ElectionObserver, NullObserver
 from celery_nats_leader.errors import ConfigError, ElectionError, ElectionStoppedError
+from celery_nats_leader.events import EventKind, TransitionEvent, event_subject, kind_of
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
 
@@ -83,6 +85,8 @@ class DemoteReason(str, enum.Enum):
     """The NATS connection was down longer than the disconnect grace."""
     HEALTH_CHECK_FAILED = "health_check_failed"
     """The health check failed too many times in a row."""
+    FENCED = "fenced"
+    """An operator fenced the term (``nats-leader fence``): it ended at once."""
     ERROR = "error"
     """A permanent error (bucket deleted, permission denied) ended the election."""
 
@@ -221,6 +225,12 @@ class BaseElection(abc.ABC):
         self._leading: asyncio.Event | None = None
         self._main_task: asyncio.Task[None] | None = None
         self._subscriptions: list[Subscription] = []
+        # The event trail: transitions waiting to be published, in order.
+        self._events: deque[bytes] = deque(maxlen=c.EVENT_BUFFER)
+        self._event_seq = 0
+        self._event_epoch: int | None = None
+        self._event_task: asyncio.Task[None] | None = None
+        self._born = self._clock.monotonic()
         self._init_state()
 
     @abc.abstractmethod
@@ -301,6 +311,8 @@ class BaseElection(abc.ABC):
 
     def wake(self) -> None:
         """Re-evaluate now; called when the connection goes down or comes back."""
+        if self._events:
+            self._schedule_event_flush()
         if self._wake is not None:
             self._wake.set()
         if self._waiter is not None:
@@ -538,6 +550,11 @@ class BaseElection(abc.ABC):
         return self._backend
 
     async def _teardown(self) -> None:
+        # The last events (the release of a stop) go out before the connection closes.
+        if self._event_task is not None:
+            with contextlib.suppress(Exception):
+                await self._event_task
+        await self._flush_events()
         await self._unsubscribe_all()
         self._stop_health_watch()
         await self._callbacks.stop()
@@ -593,6 +610,63 @@ class BaseElection(abc.ABC):
             timer.cancel()
             self._waiter = None
             self._wake.clear()
+
+    # ------------------------------------------------------------ events
+
+    def _notify_promoted(self, token: FencingToken) -> asyncio.Future[None]:
+        """Publish the ``promoted`` event, then run the promote callbacks."""
+        self._event_epoch = token.epoch
+        self._emit(EventKind.PROMOTED, None, 0.0)
+        return self._callbacks.submit(self._promote_callbacks, token)
+
+    def _notify_demoted(self, reason: DemoteReason) -> asyncio.Future[None]:
+        """Publish the end of the term (its kind follows ``reason``), then run the callbacks."""
+        term_age = round(self._clock.monotonic() - self._term_started_at, 3)
+        self._emit(kind_of(reason.value), reason.value, term_age)
+        return self._callbacks.submit(self._demote_callbacks, reason)
+
+    def _emit(self, kind: EventKind, reason: str | None, term_age: float) -> None:
+        """Queue one transition event; published in order, never on the renewal path."""
+        cfg = self.config
+        self._event_seq += 1
+        event = TransitionEvent(
+            event=kind,
+            bucket=cfg.bucket,
+            role=cfg.role,
+            id=cfg.instance_id,
+            epoch=self._event_epoch,
+            reason=reason,
+            seq=self._event_seq,
+            uptime=round(self._clock.monotonic() - self._born, 3),
+            term_age=term_age,
+            meta=dict(cfg.meta),
+        )
+        self._events.append(event.encode())
+        self._schedule_event_flush()
+
+    def _schedule_event_flush(self) -> None:
+        if self._event_task is not None and not self._event_task.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not on the loop (a wake from another thread): the next event flushes
+        self._event_task = loop.create_task(
+            self._flush_events(), name=f"{self._name_prefix}-events-{self.role}"
+        )
+
+    async def _flush_events(self) -> None:
+        """Publish the queued events in order; keep them while disconnected."""
+        backend = self._backend
+        subject = event_subject(self.config.bucket, self.config.role)
+        while self._events and backend is not None and backend.is_connected:
+            try:
+                await backend.publish(subject, self._events[0])
+            except Exception as exc:  # an event must never break the election
+                self._logger.debug("%s: could not publish an event: %s", self.role, exc)
+                return
+            if self._events:
+                self._events.popleft()
 
     def _lease_valid(self) -> bool:
         return self._clock.monotonic() < self._lease_deadline
@@ -704,6 +778,9 @@ class BaseElection(abc.ABC):
         accepted = leading
         if leading and isinstance(priority, int) and priority <= self.config.priority:
             accepted = False  # a takeover request from a candidate not preferred over us
+        target = body.get("id")
+        if isinstance(target, str) and target != self.instance_id:
+            accepted = False  # meant for a leader that is no longer us (the role moved)
         if accepted:
             self._release_reason = (
                 DemoteReason.TAKEOVER if isinstance(priority, int) else DemoteReason.RESIGNED

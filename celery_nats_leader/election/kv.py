@@ -222,7 +222,7 @@ class Election(BaseElection):
             self._cancel_deadline_timer()
             self._ending_reason = DemoteReason.STOPPED
             self._set_state(ElectionState.STOPPED)
-            await self._callbacks.submit(self._demote_callbacks, DemoteReason.STOPPED)
+            await self._notify_demoted(DemoteReason.STOPPED)
             if self.config.release_on_stop:
                 # Conditional on our revision: never deletes a successor's record.
                 await self._delete_own_key(token, revision)
@@ -258,7 +258,13 @@ class Election(BaseElection):
                     self.role,
                     token,
                 )
-                reason = DemoteReason.KEY_DELETED if term is None else DemoteReason.TOKEN_MISMATCH
+                reason = (
+                    DemoteReason.KEY_DELETED
+                    if term is None
+                    else DemoteReason.FENCED
+                    if term.record is not None and term.record.is_fence
+                    else DemoteReason.TOKEN_MISMATCH
+                )
                 self._demote(reason)
             return False
         return self.is_leader and self._token is token
@@ -269,12 +275,17 @@ class Election(BaseElection):
         Returns:
             A JSON-serializable dict: ``id``, ``role``, ``state``, ``priority``,
             ``is_leader``, ``epoch``, ``revision``, ``term_age``,
-            ``lease_remaining``, ``lease_margin``, ``last_heartbeat_age``, ``leader_id``, ``meta``.
+            ``lease_remaining``, ``lease_margin``, ``last_heartbeat_age``, ``leader_id``, ``meta``,
+            and, while another process's record holds the key, ``observed_revision``
+            and ``leader_expires_within``: the longest that record can last
+            without renewal, from when this process first saw it (its own clock).
 
         """
         now = self._clock.monotonic()
         leading = self.is_leader
         token = self._token if leading else None
+        # The record was stored before we saw it, so it expires by then + TTL.
+        watching = not leading and self._view.present and self._leader is not None
         return {
             "id": self.instance_id,
             "role": self.role,
@@ -289,6 +300,10 @@ class Election(BaseElection):
             "last_heartbeat_age": round(now - self._last_confirmed_send, 3) if leading else None,
             "leader_id": self.leader_id,
             "meta": dict(self.config.meta),
+            "observed_revision": self._view.revision if watching else None,
+            "leader_expires_within": (
+                round(max(0.0, self._view.seen_at + self.config.ttl - now), 3) if watching else None
+            ),
         }
 
     # ------------------------------------------------------------ plumbing
@@ -361,17 +376,28 @@ class Election(BaseElection):
         present = entry is not None and entry.operation is Operation.PUT
         previous_leader = self._leader
         record = self._decode(entry) if present and entry is not None else None
+        # An operator's fence marker: the term is over and nobody leads. The
+        # view counts the key as free at the marker's revision, so a campaign
+        # takes it at once with one conditional write at that revision (only
+        # one candidate can succeed), without waiting for the marker to expire.
+        fence = record is not None and record.is_fence
         # Whoever held the term that ends (or may end next) is not in line.
-        holder = record if present else previous_leader
+        leaving = (
+            str((record.fenced or {}).get("id"))
+            if fence and record is not None
+            else (record.id if present and record is not None else None)
+        )
+        if leaving is None and not present and previous_leader is not None:
+            leaving = previous_leader.id
         if not self._view.observe(
             entry.revision if entry is not None else None,
-            present,
+            present and not fence,
             now,
-            self._campaign_delay(holder.id if holder is not None else None),
+            self._campaign_delay(leaving),
             authoritative=authoritative,
         ):
             return
-        if present:
+        if present and not fence:
             self._leader = record
             # Someone else holds the role: we follow, and start() may return.
             # (Without this, a candidate that learned of the leader from the
@@ -407,6 +433,8 @@ class Election(BaseElection):
             reason = (
                 DemoteReason.KEY_DELETED
                 if entry.operation is not Operation.PUT
+                else DemoteReason.FENCED
+                if record is not None and record.is_fence
                 else DemoteReason.REVISION_CHANGED
             )
             logger.warning("%s: the key was written by someone else; stepping down", self.role)
@@ -531,7 +559,7 @@ class Election(BaseElection):
             self._set_state(ElectionState.FOLLOWER)
             self._view.retry_at(self._clock.monotonic() + min(0.25, cfg.heartbeat_interval / 4))
             return
-        except (BackendError, RevisionMismatchError) as exc:
+        except BackendError as exc:
             logger.debug("%s: campaign failed: %s", self.role, exc)
             self._set_state(ElectionState.FOLLOWER)
             self._retry_later()
@@ -736,7 +764,7 @@ class Election(BaseElection):
         logger.info("%s: promoted, epoch %d", self.role, token.epoch)
         if not already_reported:
             self._callbacks.submit(self._change_callbacks, self._leader)
-        self._callbacks.submit(self._promote_callbacks, token)
+        self._notify_promoted(token)
         self._watch_health(token)
 
     def _confirm(self, send: float) -> None:
@@ -791,11 +819,15 @@ class Election(BaseElection):
         self._token = None
         self._lease_deadline = 0.0
         self._cancel_deadline_timer()
+        if reason is DemoteReason.FENCED:
+            # The operator fenced this process because it was stuck: let a
+            # live candidate take the role rather than campaign again at once.
+            self._sit_out_until = self._clock.monotonic() + self.config.ttl
         self._ending_reason = reason
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: demoted (%s)", self.role, reason.value)
         self._stop_health_watch()
-        self._callbacks.submit(self._demote_callbacks, reason)
+        self._notify_demoted(reason)
         self.wake()
 
     async def _lead(self) -> None:
@@ -928,7 +960,13 @@ class Election(BaseElection):
                 self._backoff.failure(), cfg.heartbeat_interval / 2
             )
         self._observe(entry, authoritative=True)
-        reason = DemoteReason.KEY_DELETED if entry is None else DemoteReason.REVISION_CHANGED
+        reason = (
+            DemoteReason.KEY_DELETED
+            if entry is None
+            else DemoteReason.FENCED
+            if record is not None and record.is_fence
+            else DemoteReason.REVISION_CHANGED
+        )
         logger.warning("%s: the key no longer holds our term; stepping down", self.role)
         self._demote(reason)
         return send
@@ -948,7 +986,7 @@ class Election(BaseElection):
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: stepping down (%s)", self.role, reason.value)
         self._stop_health_watch()
-        await self._callbacks.submit(self._demote_callbacks, reason)
+        await self._notify_demoted(reason)
         await self._delete_own_key(token, revision)
         self.wake()
 

@@ -23,6 +23,7 @@ from celery_nats_leader.backend import ConnectionListener
 from celery_nats_leader.constants import DEFAULT_SERVERS
 from celery_nats_leader.errors import ConfigError, NatsUnavailableError
 from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.nats.refusals import note_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +185,10 @@ async def connect(
             type(exc).__name__,
             str(exc) or "no details",
         )
+        if client:
+            # A refused publish or subscription: the operation waiting for it
+            # only sees a timeout; remember why (nats/refusals.py).
+            note_refusal(client[0], exc)
 
     connect_timeout = float(kwargs.pop("connect_timeout", min(2.0, timeout)))
     kwargs.setdefault("reconnect_time_wait", 0.5)
@@ -247,4 +252,9 @@ async def open_backend(
     return JetStreamBackend(nc, owns_connection=True)
 
 
-__all__ = ["ConnectOptions", "ConnectionListener", "connect", "open_backend"]
+__all__ = [
+    "ConnectOptions",
+    "ConnectionListener",
+    "connect",
+    "open_backend",
+]

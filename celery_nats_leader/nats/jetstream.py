@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -44,6 +45,7 @@ from celery_nats_leader.errors import (
     PermissionDeniedError,
     RevisionMismatchError,
 )
+from celery_nats_leader.nats.refusals import permission_violation
 
 logger = logging.getLogger(__name__)
 
@@ -450,6 +452,7 @@ class JetStreamBackend:
             The call's result.
 
         """
+        started = time.monotonic()
         try:
             if bounded:
                 return await awaitable
@@ -488,6 +491,7 @@ class JetStreamBackend:
                 ) from exc
             raise BackendError(f"no response from bucket {bucket!r}") from exc
         except (asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
+            self._raise_if_refused(started, f"bucket {bucket!r}")
             raise BackendTimeoutError(f"no answer within {timeout:g}s") from exc
         except (
             nats.errors.OutboundBufferLimitError,
@@ -526,6 +530,7 @@ class JetStreamBackend:
         created without ``max_age`` and refused if it has one.
         """
         timeout = max(timeout, self.js_timeout)
+        started = time.monotonic()
         try:
             kv = await asyncio.wait_for(self.js.key_value(name), timeout)
         except nats.js.errors.BucketNotFoundError as exc:
@@ -543,6 +548,7 @@ class JetStreamBackend:
                 "(or enable jetstream {} in its configuration)"
             ) from exc
         except (asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
+            self._raise_if_refused(started, f"opening KV bucket {name!r}")
             raise BackendTimeoutError(f"opening KV bucket {name!r} timed out") from exc
         bucket = JetStreamBucket(self, name, kv)
         if persistent:
@@ -685,8 +691,23 @@ class JetStreamBackend:
             except Exception:
                 logger.exception("handler for %s failed", subject)
 
+        started = time.monotonic()
         sub = await self.nc.subscribe(subject, cb=on_message)
+        # A refused subscription is only reported asynchronously: a round trip
+        # makes sure the refusal, if any, has arrived.
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+            await self.nc.flush(timeout=max(1, int(self.js_timeout)))
+        self._raise_if_refused(started, f"subscription to {subject}")
         return JetStreamSubscription(sub.unsubscribe)
+
+    def _raise_if_refused(self, since: float, what: str) -> None:
+        """Raise :class:`PermissionDeniedError` if the server refused something since ``since``."""
+        refusal = permission_violation(self.nc, since)
+        if refusal is not None:
+            raise PermissionDeniedError(
+                f"NATS refused {what}: {refusal}. Grant this user the permission "
+                "(see the permission sets in docs/operating.md)"
+            )
 
     async def publish(self, subject: str, data: bytes, reply: str | None = None) -> None:
         """Publish one message; dropped while disconnected."""
@@ -698,9 +719,11 @@ class JetStreamBackend:
     async def request(self, subject: str, data: bytes, *, timeout: float) -> bytes:
         """Send a request and return the first reply."""
         self.require_connected()
+        started = time.monotonic()
         try:
             msg = await self.nc.request(subject, data, timeout=timeout)
         except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+            self._raise_if_refused(started, f"a request on {subject}")
             raise BackendTimeoutError(f"no reply on {subject} within {timeout:g}s") from exc
         except nats.errors.NoRespondersError as exc:
             raise BackendTimeoutError(f"nobody answers on {subject}") from exc

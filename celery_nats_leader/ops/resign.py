@@ -83,6 +83,8 @@ async def resign_leader(
     kv = await backend.open_bucket(bucket, ttl=None, create=False, replicas=1, timeout=timeout)
     term = await read_term(kv, role, timeout=timeout)
     previous = term.record if term is not None else None
+    if previous is not None and previous.is_fence:
+        previous = None  # a fence marker: the term was ended, nobody leads
     if previous is None:
         raise NotLeaderError(f"nobody leads role {role!r} in bucket {bucket!r}")
     successor: list[LeaderRecord] = []
@@ -90,7 +92,7 @@ async def resign_leader(
 
     def on_entry(entry: KVEntry) -> None:
         new = term_of(entry)
-        if successor or new is None or new.record is None:
+        if successor or new is None or new.record is None or new.record.is_fence:
             return
         if new.epoch > previous.epoch:
             successor.append(new.record)

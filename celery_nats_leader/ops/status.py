@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -62,6 +63,14 @@ class RoleStatus:
         candidates: Every live candidate's own description (see
             :meth:`celery_nats_leader.election.Election.describe`).
         problem: Why the key could not be read as a record, if so.
+        answering: Whether the leader answered the roster request (``None``
+            when nobody leads). A leader that does not answer is paused,
+            hung, partitioned or dead; its key still names it until it expires.
+        expires_within: For a leader that did not answer: the longest its
+            key can last without a renewal, in seconds (from when this
+            reader or a live follower first saw the current revision).
+        fenced: For a key holding an operator's fence marker: the term it
+            ended (``id``, ``epoch``, ``by``). Nobody leads.
 
     """
 
@@ -75,16 +84,39 @@ class RoleStatus:
     leader_meta: dict[str, Any] = field(default_factory=dict)
     candidates: list[dict[str, Any]] = field(default_factory=list)
     problem: str | None = None
+    answering: bool | None = None
+    expires_within: float | None = None
+    fenced: dict[str, Any] | None = None
 
     @property
     def has_leader(self) -> bool:
         """Whether somebody holds the role."""
         return self.leader_id is not None
 
+    @property
+    def silent(self) -> bool:
+        """Whether the key names a leader that did not answer (paused, hung or dead)."""
+        return self.has_leader and self.answering is False
+
+    @property
+    def note(self) -> str | None:
+        """What an operator should know beyond the leader's id, in words, or ``None``."""
+        if self.silent:
+            within = "" if self.expires_within is None else f" within {self.expires_within:.1f} s"
+            return f"not answering; its key expires{within}"
+        if self.fenced is not None:
+            return (
+                f"fenced: the term of {self.fenced.get('id')} (epoch {self.fenced.get('epoch')}) "
+                f"ended by {self.fenced.get('by')}"
+            )
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict (the ``--json`` schema of the status commands)."""
         body = asdict(self)
         body["has_leader"] = self.has_leader
+        body["silent"] = self.silent
+        body["note"] = self.note
         return body
 
 
@@ -124,6 +156,9 @@ async def read_status(
         )
     kv = await backend.open_bucket(bucket, ttl=None, create=False, replicas=1, timeout=timeout)
     entries = {entry.key: entry for entry in await kv.entries(timeout=timeout)}
+    # Every entry was stored before this moment: it expires by read_at + TTL.
+    read_at = time.monotonic()
+    ttl: list[float] = []
     names = sorted(set(entries) | set(roles))
 
     async def one(role: str) -> RoleStatus:
@@ -141,12 +176,26 @@ async def read_status(
                 candidates=candidates,
                 problem=str(exc),
             )
+        if record.is_fence:
+            return RoleStatus(
+                role=role,
+                leader_id=None,
+                revision=entry.revision,
+                candidates=candidates,
+                fenced=dict(record.fenced or {}),
+            )
         leader_view = next(
             (cand for cand in candidates if cand.get("id") == record.id and cand.get("is_leader")),
             None,
         )
-        term_age = expires_in = None
-        if leader_view is not None:
+        term_age = expires_in = expires_within = None
+        if leader_view is None:
+            if not ttl:
+                ttl.append(await kv.ttl(timeout=timeout))
+            expires_within = _expires_within(
+                candidates, entry.revision, ttl[0] - (time.monotonic() - read_at)
+            )
+        else:
             term_age = leader_view.get("term_age")
             lease = leader_view.get("lease_remaining")
             margin = leader_view.get("lease_margin") or 0.0
@@ -161,9 +210,25 @@ async def read_status(
             expires_in=expires_in,
             leader_meta=dict(record.meta),
             candidates=candidates,
+            answering=leader_view is not None,
+            expires_within=expires_within,
         )
 
     return list(await asyncio.gather(*(one(name) for name in names)))
+
+
+def _expires_within(candidates: list[dict[str, Any]], revision: int, bound: float) -> float:
+    """The tightest upper bound on a silent leader's key expiry, in seconds from now.
+
+    ``bound`` is this reader's own (it read the entry, so the entry was stored
+    earlier); each live follower that saw the same revision knows when it
+    first did, on its own clock, and reports the time left from there.
+    """
+    for cand in candidates:
+        left = cand.get("leader_expires_within")
+        if cand.get("observed_revision") == revision and isinstance(left, int | float):
+            bound = min(bound, float(left))
+    return round(max(0.0, bound), 1)
 
 
 @dataclass(frozen=True)
@@ -193,6 +258,11 @@ class StatusReport:
         """Whether every configured role has a leader."""
         return not self.leaderless
 
+    @property
+    def silent(self) -> list[str]:
+        """Configured roles whose leader did not answer (paused, hung or dead)."""
+        return [s.role for s in self.roles if s.role in self.configured_roles and s.silent]
+
     def to_dict(self) -> dict[str, Any]:
         """The ``election_status --json`` document (see the README's Django section)."""
         return {
@@ -201,6 +271,7 @@ class StatusReport:
             "servers": list(self.servers),
             "configured_roles": list(self.configured_roles),
             "leaderless": self.leaderless,
+            "silent": self.silent,
             "healthy": self.healthy,
             "roles": [
                 role_to_dict(s, configured=s.role in self.configured_roles) for s in self.roles
@@ -231,6 +302,10 @@ def role_to_dict(status: RoleStatus, *, configured: bool) -> dict[str, Any]:
         "leader_meta": dict(status.leader_meta),
         "candidates": [candidate_to_dict(cand) for cand in status.candidates],
         "problem": status.problem,
+        "answering": status.answering,
+        "expires_within": status.expires_within,
+        "fenced": status.fenced,
+        "note": status.note,
     }
 
 

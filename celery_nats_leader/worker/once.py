@@ -61,7 +61,8 @@ from celery_nats_leader.errors import (
     PermissionDeniedError,
 )
 from celery_nats_leader.loop_thread import EventLoopThread
-from celery_nats_leader.nats.connection import connect
+from celery_nats_leader.nats.connection import open_backend
+from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.once import Claim, ClaimLostError, OnceGuard, Verdict
 from celery_nats_leader.settings import LeaderSettings
 
@@ -98,7 +99,7 @@ class OnceService:
         )
         self._loop = EventLoopThread(name="nats-leader-once")
         self._guard: OnceGuard | None = None
-        self._nc: Any = None
+        self._backend: JetStreamBackend | None = None
         self._opening: asyncio.Lock | None = None
         self._lock = threading.Lock()
         self.claimant = f"{socket.gethostname()}:{os.getpid()}"
@@ -143,16 +144,14 @@ class OnceService:
 
     async def _open_once(self) -> OnceGuard:
         if self._guard is None:
-            from celery_nats_leader.nats.jetstream import JetStreamBackend
-
             settings = self.settings
-            if self._nc is None:
-                self._nc = await connect(
+            if self._backend is None:
+                self._backend = await open_backend(
                     settings.connection, timeout=self.timeout, name="nats-leader-once"
                 )
             # One connection per process, kept when opening the buckets fails
             # (the next call tries the buckets again on it).
-            backend = JetStreamBackend(self._nc)
+            backend = self._backend
             opened: list[Bucket] = []
             for name, ttl in (
                 (f"{settings.once_bucket}_leases", settings.once_lease),
@@ -178,9 +177,9 @@ class OnceService:
             return
 
         async def close() -> None:
-            nc, self._nc, self._guard, self._opening = self._nc, None, None, None
-            if nc is not None:
-                await nc.close()
+            backend, self._backend, self._guard, self._opening = self._backend, None, None, None
+            if backend is not None:
+                await backend.close()
 
         with contextlib.suppress(Exception):
             self._loop.run(close(), self.timeout + 1.0)

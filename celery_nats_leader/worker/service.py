@@ -30,6 +30,7 @@ from celery_nats_leader.election.observer import ElectionObserver
 from celery_nats_leader.election.services import LeaderServiceRunner
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import ConfigError, ElectionError
+from celery_nats_leader.probes import ProbeServer
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 from celery_nats_leader.worker import state as worker_state
@@ -85,8 +86,9 @@ class LeaderService:
             # Imported only when asked for: prometheus-client is an optional extra.
             from celery_nats_leader.prometheus import PrometheusObserver
 
-            self.metrics = PrometheusObserver()
+            self.metrics = PrometheusObserver(bucket=settings.bucket)
         self.metrics_port: int | None = None
+        self.probes: ProbeServer | None = None
         self.elector = Elector(
             settings.servers,
             connect_options=settings.connect_options,
@@ -103,6 +105,8 @@ class LeaderService:
             handle.on_demote(functools.partial(self._on_demote, role))
             handle.on_error(functools.partial(self._on_error, role))
             self._handles[role] = handle
+        if self.metrics is not None:
+            self.metrics.watch_elector(self.elector, self.instance_id)
         self.queues = LeaderQueueController(app, self.queue_names, self.is_leader)
         self.services = self._add_services(app, settings)
         self._refresher: Any = None
@@ -250,8 +254,10 @@ class LeaderService:
         settings = self.settings
         if self.metrics is not None and settings.metrics_port is not None:
             port = int(settings.metrics_port)
+            # /metrics, /healthz and /readyz of this worker on one port.
+            self.probes = ProbeServer.for_elector(self.elector, registry=self.metrics.registry)
             try:
-                self.metrics_port = self.metrics.serve(port, settings.metrics_address)
+                self.metrics_port = self.probes.serve(port, settings.metrics_address)
             except OSError as exc:
                 raise ConfigError(
                     f"nats_leader_metrics_port={port}: cannot serve metrics on "
@@ -295,8 +301,8 @@ class LeaderService:
             # the worker's shutdown (past a TTL the key expires anyway).
             self.elector.stop(timeout=min(10.0, max(2.0, self.settings.ttl)))
         self.shared.clear_all()
-        if self.metrics is not None:
-            self.metrics.close()
+        if self.probes is not None:
+            self.probes.close()
 
     # ---------------------------------------------- publishing to children
 

@@ -228,7 +228,7 @@ def test_a_replica_says_when_a_non_scheduler_holds_the_beat_role(
 # ------------------------------------------------------ issue 10 #8
 
 
-def test_beat_serves_election_and_tick_metrics(make: Callable[..., Recording]) -> None:
+def test_beat_serves_election_and_tick_metrics(make: Callable[..., Recording], bucket: str) -> None:
     scheduler = make(nats_leader_required=True, nats_leader_metrics_port=0)
     handle = scheduler.beat_role
     assert handle is not None and handle.wait_for_leadership(10)
@@ -243,7 +243,8 @@ def test_beat_serves_election_and_tick_metrics(make: Callable[..., Recording]) -
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
     instance = scheduler.instance_id
-    assert f'nats_leader_is_leader{{instance="{instance}",role="beat"}} 1.0' in text
+    labels = f'bucket="{bucket}",instance="{instance}",role="beat"'
+    assert f"nats_leader_is_leader{{{labels}}} 1.0" in text
     assert (
         f'nats_leader_beat_ticks_total{{entry="every-ten",instance="{instance}",'
         f'outcome="dispatched",role="beat"}} 3.0'

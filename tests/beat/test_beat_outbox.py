@@ -55,9 +55,9 @@ def kill_at_every_point(cluster: BeatCluster, rounds: int = ROUNDS) -> dict[str,
     folder = Path(cluster.config["kill_points"])
     dead: list[Proc] = []
     killed = dict.fromkeys(POINTS, 0)
+    leader = cluster.wait_leader()
+    cluster.wait_runs_by(leader.epoch, 1)
     for point in POINTS * rounds:
-        leader = cluster.wait_leader(exclude=tuple(dead))
-        cluster.wait_runs_by(leader.epoch, 1)
         (folder / point).touch()
 
         def claimed(point: str = point) -> list[Path]:
@@ -73,9 +73,14 @@ def kill_at_every_point(cluster: BeatCluster, rounds: int = ROUNDS) -> dict[str,
         marker.unlink()
         dead.append(proc)
         killed[point] += 1
-        cluster.start_beat()
-    last = cluster.wait_leader(exclude=tuple(dead))
-    cluster.wait_runs_by(last.epoch, 2)
+        leader = cluster.wait_leader(exclude=tuple(dead))
+        cluster.wait_runs_by(leader.epoch, 1)
+        # A replacement keeps three replicas. It starts once the failover is
+        # over and is campaigning before the next kill, so that its start-up
+        # (Celery, Django) does not compete with a failover for the CPU.
+        spare = cluster.start_beat()
+        wait_for(lambda spare=spare: "campaigns for role" in spare.log(), 60, f"{spare} to start")
+    cluster.wait_runs_by(leader.epoch, 2)
     return killed
 
 

@@ -28,6 +28,7 @@ from celery_nats_leader import (
     leader_only,
     leader_promoted,
     leader_service,
+    run_once,
 )
 from celery_nats_leader.testing import kombu_fs
 
@@ -103,6 +104,15 @@ def make_app(config: dict[str, Any]) -> Celery:
     @app.task(shared=False, bind=True, name="cnl.record")
     @leader_only(role=role)
     def record(self: Any, seq: int, work: float = 0.0, leader_token: Any = None, **kw: Any) -> str:
+        return body(self, seq, work, leader_token, kw.get("hold"))
+
+    @app.task(shared=False, bind=True, name="cnl.record_once")
+    @leader_only(role=role)
+    @run_once
+    def record_once(
+        self: Any, seq: int, work: float = 0.0, leader_token: Any = None, **kw: Any
+    ) -> str:
+        # The once-guard under @leader_only: the task id is claimed in KV first.
         return body(self, seq, work, leader_token, kw.get("hold"))
 
     @app.task(shared=False, bind=True, name="cnl.record_validated")

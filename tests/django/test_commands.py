@@ -79,6 +79,10 @@ def test_status_json_field_by_field(two: Candidates, nats_server: NatsServer, bu
         "leader_meta",
         "candidates",
         "problem",
+        "answering",
+        "expires_within",
+        "fenced",
+        "note",
     }
     assert default["role"] == "default"
     assert default["configured"] is True

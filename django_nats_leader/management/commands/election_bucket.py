@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from argparse import ArgumentParser
+from dataclasses import asdict
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
@@ -30,6 +31,7 @@ from celery_nats_leader.ops.bucket import (
     bucket_targets,
     outcome_lines,
 )
+from celery_nats_leader.ops.events import StreamInfo, ensure_events_stream, stream_info
 from celery_nats_leader.ops.oneshot import operator_name, run_once
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
@@ -46,6 +48,27 @@ def inspect_or_create(
         async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
             action: BucketAction = "create" if create else "check"
             return await apply_to_buckets(backend, wanted, action, timeout=timeout)
+
+    return run_once(run)
+
+
+def events_stream_of(
+    settings: LeaderSettings, bucket: str, *, max_age: float, create: bool, timeout: float
+) -> StreamInfo | None:
+    """The bucket's events stream (created with ``create``), or ``None``."""
+
+    async def run() -> StreamInfo | None:
+        name = operator_name("manage.py election_bucket")
+        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
+            if create:
+                return await ensure_events_stream(
+                    backend,
+                    bucket,
+                    max_age=max_age,
+                    replicas=settings.bucket_replicas,
+                    timeout=timeout,
+                )
+            return await stream_info(backend, bucket, timeout=timeout)
 
     return run_once(run)
 
@@ -82,6 +105,16 @@ class Command(BaseCommand):
             action="store_true",
             help="Include the beat state bucket (automatic with the leader beat scheduler).",
         )
+        parser.add_argument(
+            "--events-max-age",
+            type=float,
+            default=None,
+            metavar="SECONDS",
+            help=(
+                "Keep the transition events in a JetStream stream for this long (with --create "
+                "it is created; never required by the elections)."
+            ),
+        )
         parser.add_argument("--json", action="store_true", help="Print the settings as JSON.")
         parser.add_argument("--timeout", type=float, default=5.0, help="Seconds to wait for NATS.")
 
@@ -107,17 +140,45 @@ class Command(BaseCommand):
         except ElectionError as exc:
             raise CommandError(f"cannot inspect the buckets: {exc}", returncode=EXIT_ERROR) from exc
         failing = [o for o in outcomes if o.problems]
+        stream = None
+        if options["events_max_age"] is not None:
+            try:
+                stream = events_stream_of(
+                    settings,
+                    wanted[0].name,
+                    max_age=options["events_max_age"],
+                    create=options["create"],
+                    timeout=options["timeout"],
+                )
+            except (ElectionError, ValueError) as exc:
+                raise CommandError(
+                    f"cannot set up the events stream: {exc}", returncode=EXIT_ERROR
+                ) from exc
         if options["json"]:
-            body = {"ok": not failing, "buckets": [o.to_dict() for o in outcomes]}
+            body: dict[str, Any] = {"ok": not failing, "buckets": [o.to_dict() for o in outcomes]}
+            if options["events_max_age"] is not None:
+                body["events_stream"] = None if stream is None else asdict(stream)
             self.stdout.write(json.dumps(body, sort_keys=True))
         else:
             for outcome in outcomes:
                 self._show(outcome)
+            if options["events_max_age"] is not None:
+                self._show_stream(stream)
         if failing:
             raise CommandError(
                 "; ".join(f"KV bucket {o.target.name!r}: {', '.join(o.problems)}" for o in failing),
                 returncode=EXIT_NO_LEADER,
             )
+
+    def _show_stream(self, stream: StreamInfo | None) -> None:
+        if stream is None:
+            self.stdout.write("events stream: none (create it with --create --events-max-age)")
+            return
+        verb = "created" if stream.created else "exists"
+        self.stdout.write(
+            self.style.MIGRATE_HEADING(f"events stream {stream.name!r} {verb}")
+            + f"\n  max_age        {stream.max_age:g}s\n  events         {stream.messages}"
+        )
 
     def _show(self, outcome: BucketOutcome) -> None:
         styles = {

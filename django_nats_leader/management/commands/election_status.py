@@ -1,8 +1,9 @@
 """``manage.py election_status``: who leads every role, and every live candidate.
 
 Exit status: 0 when every configured role has a leader, 1 when one has none
-(so the command serves as a health probe), 2 when the elections cannot be
-read (NATS unreachable, bucket missing, invalid settings).
+(so the command serves as a health probe) or, with ``--strict``, when its
+leader does not answer (paused, hung or dead: its key still names it), 2 when
+the elections cannot be read (NATS unreachable, bucket missing, invalid settings).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class Command(BaseCommand):
             help="Stop --watch after this many refreshes (0: until interrupted).",
         )
         parser.add_argument("--timeout", type=float, default=5.0, help="Seconds to wait for NATS.")
+        parser.add_argument(
+            "--strict",
+            action="store_true",
+            help="Also exit 1 when a role's leader does not answer (paused, hung or dead).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         """Read the status once (or repeatedly with ``--watch``) and print it."""
@@ -98,6 +104,11 @@ class Command(BaseCommand):
         if report is not None and report.leaderless:
             raise CommandError(
                 f"no leader for role(s): {', '.join(report.leaderless)}", returncode=EXIT_NO_LEADER
+            )
+        if report is not None and options["strict"] and report.silent:
+            raise CommandError(
+                f"leader not answering for role(s): {', '.join(report.silent)}",
+                returncode=EXIT_NO_LEADER,
             )
 
     def _show(

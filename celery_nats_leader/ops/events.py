@@ -1,0 +1,280 @@
+"""Reading the event trail: live from NATS, and the past from the optional stream.
+
+The operator commands (``celery -A proj nats-leader events``, ``manage.py
+election_events``) and the Django admin use these. The stream is reached
+through the JetStream API's request/reply subjects with the backend's generic
+``request``, so the NATS door stays the only module importing nats-py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from celery_nats_leader.backend import Backend, Subscription
+from celery_nats_leader.errors import (
+    BackendError,
+    BackendTimeoutError,
+    JetStreamUnavailableError,
+)
+from celery_nats_leader.events import TransitionEvent, event_subject, events_stream
+
+logger = logging.getLogger(__name__)
+
+#: JetStream API error codes.
+_STREAM_NOT_FOUND = 10059
+_NO_MESSAGE = 10037
+
+#: Default age of the events kept by the stream: a week.
+DEFAULT_EVENTS_MAX_AGE_SECONDS = 7 * 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """The events stream of a bucket.
+
+    Attributes:
+        name: The stream.
+        subjects: The subjects it keeps.
+        max_age: Seconds an event is kept.
+        messages: Events kept now.
+        created: Whether this call created it.
+
+    """
+
+    name: str
+    subjects: tuple[str, ...]
+    max_age: float
+    messages: int
+    created: bool = False
+
+
+async def _api(
+    backend: Backend, subject: str, body: dict[str, Any], timeout: float
+) -> dict[str, Any]:
+    try:
+        reply = await backend.request(subject, json.dumps(body).encode(), timeout=timeout)
+    except BackendTimeoutError as exc:
+        raise JetStreamUnavailableError(f"JetStream did not answer ({exc})") from exc
+    try:
+        answer = json.loads(reply)
+    except ValueError as exc:
+        raise BackendError(f"unreadable JetStream answer: {reply[:100]!r}") from exc
+    if not isinstance(answer, dict):
+        raise BackendError(f"unreadable JetStream answer: {reply[:100]!r}")
+    return answer
+
+
+def _error_code(answer: dict[str, Any]) -> int | None:
+    error = answer.get("error")
+    if isinstance(error, dict):
+        return int(error.get("err_code") or error.get("code") or 0)
+    return None
+
+
+async def stream_info(backend: Backend, bucket: str, *, timeout: float = 5.0) -> StreamInfo | None:
+    """The events stream of ``bucket``, or ``None`` when nobody created one."""
+    name = events_stream(bucket)
+    answer = await _api(backend, f"$JS.API.STREAM.INFO.{name}", {}, timeout)
+    code = _error_code(answer)
+    if code == _STREAM_NOT_FOUND:
+        return None
+    if code is not None:
+        raise BackendError(f"JetStream: {answer['error']}")
+    config = answer.get("config") or {}
+    state = answer.get("state") or {}
+    return StreamInfo(
+        name=name,
+        subjects=tuple(config.get("subjects") or ()),
+        max_age=int(config.get("max_age") or 0) / 1e9,
+        messages=int(state.get("messages") or 0),
+    )
+
+
+async def ensure_events_stream(
+    backend: Backend,
+    bucket: str,
+    *,
+    max_age: float = DEFAULT_EVENTS_MAX_AGE_SECONDS,
+    replicas: int = 1,
+    timeout: float = 5.0,
+) -> StreamInfo:
+    """Create the stream keeping ``bucket``'s events for ``max_age`` seconds, unless it exists.
+
+    Args:
+        backend: A connected backend.
+        bucket: The election bucket.
+        max_age: Seconds each event is kept (bounded: the stream never grows without end).
+        replicas: Stream replicas.
+        timeout: Seconds for each JetStream API call.
+
+    Returns:
+        The stream, with ``created`` telling whether this call made it.
+
+    Raises:
+        JetStreamUnavailableError: The server has no JetStream.
+
+    """
+    if max_age <= 0:
+        raise ValueError("the events stream needs a bounded age (max_age > 0)")
+    existing = await stream_info(backend, bucket, timeout=timeout)
+    if existing is not None:
+        return existing
+    name = events_stream(bucket)
+    config = {
+        "name": name,
+        "subjects": [event_subject(bucket)],
+        "retention": "limits",
+        "max_age": int(max_age * 1e9),
+        "storage": "file",
+        "num_replicas": replicas,
+        "discard": "old",
+    }
+    answer = await _api(backend, f"$JS.API.STREAM.CREATE.{name}", config, timeout)
+    if _error_code(answer) is not None:
+        raise BackendError(f"JetStream: {answer['error']}")
+    logger.info("created events stream %r (max_age=%gs)", name, max_age)
+    info = await stream_info(backend, bucket, timeout=timeout)
+    assert info is not None
+    return StreamInfo(
+        name=info.name,
+        subjects=info.subjects,
+        max_age=info.max_age,
+        messages=info.messages,
+        created=True,
+    )
+
+
+async def read_events(
+    backend: Backend,
+    bucket: str,
+    *,
+    role: str | None = None,
+    limit: int | None = None,
+    timeout: float = 5.0,
+) -> list[TransitionEvent] | None:
+    """The events the stream kept, oldest first (``None`` when there is no stream).
+
+    Args:
+        backend: A connected backend.
+        bucket: The election bucket.
+        role: Only this role's events.
+        limit: Only the newest ``limit`` events.
+        timeout: Seconds per JetStream API call.
+
+    """
+    name = events_stream(bucket)
+    subject = event_subject(bucket, role or ">")
+    found: list[TransitionEvent] = []
+    seq = 1
+    while True:
+        answer = await _api(
+            backend,
+            f"$JS.API.STREAM.MSG.GET.{name}",
+            {"seq": seq, "next_by_subj": subject},
+            timeout,
+        )
+        code = _error_code(answer)
+        if code == _STREAM_NOT_FOUND:
+            return None
+        if code == _NO_MESSAGE:
+            break
+        if code is not None:
+            raise BackendError(f"JetStream: {answer['error']}")
+        message = answer.get("message") or {}
+        stream_seq = int(message.get("seq") or 0)
+        data = base64.b64decode(message.get("data") or "")
+        event = TransitionEvent.decode(data, stored_at=message.get("time"), stream_seq=stream_seq)
+        if event is not None:
+            found.append(event)
+        if stream_seq < seq:  # pragma: no cover - a server that ignores next_by_subj
+            break
+        seq = stream_seq + 1
+    return found[-limit:] if limit else found
+
+
+async def follow_events(
+    backend: Backend,
+    bucket: str,
+    callback: Callable[[TransitionEvent], None],
+    *,
+    role: str | None = None,
+) -> Subscription:
+    """Call ``callback`` with every event published from now on (until unsubscribed)."""
+
+    async def handle(data: bytes, reply: str | None) -> None:
+        event = TransitionEvent.decode(data)
+        if event is not None:
+            callback(event)
+
+    return await backend.subscribe(event_subject(bucket, role or ">"), handle)
+
+
+async def show_events(
+    backend: Backend,
+    bucket: str,
+    on_event: Callable[[TransitionEvent], None],
+    *,
+    role: str | None = None,
+    follow: bool = False,
+    limit: int | None = None,
+    count: int | None = None,
+    timeout: float = 5.0,
+) -> bool:
+    """What the events commands do: the kept history, then (``follow``) live events.
+
+    Args:
+        backend: A connected backend.
+        bucket: The election bucket.
+        on_event: Called with each event, in order.
+        role: Only this role's events.
+        follow: Keep printing live events (until cancelled, or ``count``).
+        limit: Only the newest ``limit`` kept events.
+        count: With ``follow``, return after this many live events.
+        timeout: Seconds per JetStream API call.
+
+    Returns:
+        Whether a stream keeps the history (``False``: only live events exist).
+
+    """
+    live: asyncio.Queue[TransitionEvent] = asyncio.Queue()
+    # Subscribe before reading the history, so nothing falls in between.
+    sub = await follow_events(backend, bucket, live.put_nowait, role=role) if follow else None
+    try:
+        try:
+            history = await read_events(backend, bucket, role=role, limit=limit, timeout=timeout)
+        except JetStreamUnavailableError:
+            history = None
+        shown = set()
+        for event in history or []:
+            shown.add((event.id, event.role, event.seq))
+            on_event(event)
+        if sub is None:
+            return history is not None
+        received = 0
+        while count is None or received < count:
+            event = await live.get()
+            if (event.id, event.role, event.seq) in shown:
+                continue
+            received += 1
+            on_event(event)
+        return history is not None
+    finally:
+        if sub is not None:
+            await sub.unsubscribe()
+
+
+__all__ = [
+    "DEFAULT_EVENTS_MAX_AGE_SECONDS",
+    "StreamInfo",
+    "ensure_events_stream",
+    "follow_events",
+    "read_events",
+    "show_events",
+    "stream_info",
+]

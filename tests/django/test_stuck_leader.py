@@ -1,0 +1,144 @@
+"""A stuck leader, as the Django operator commands see it and end it.
+
+The leader is a child process frozen with SIGSTOP (it cannot renew nor
+answer); its key still names it until it expires. ``election_status`` must
+say it is not answering (``--strict``: exit 1), and ``election_fence`` must
+end its term: the follower leads at once, the frozen leader's fenced check
+fails when it runs again, and the database fence refuses its epoch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from celery_nats_leader.testing import CandidateGroup, NatsServer
+from django_nats_leader.fencing import StaleLeaderError, current_epoch, fenced
+
+pytestmark = pytest.mark.integration
+
+#: Long enough that nothing in these tests is explained by the key's expiry.
+TTL = 30.0
+ROLE = "default"
+
+
+@pytest.fixture
+def frozen(
+    nats_server: NatsServer, bucket: str, nats_leader: Any
+) -> Iterator[tuple[CandidateGroup, str, int]]:
+    """Two candidate processes; the leader ("a") is frozen. Yields (group, follower, epoch)."""
+    nats_leader(TTL=TTL)
+    with CandidateGroup(nats_server.url, role=ROLE, bucket=bucket, ttl=TTL) as group:
+        group.spawn("a", create_bucket=True)
+        first = group.wait_for("promoted", {"a"}, timeout=30)
+        group.spawn("b")
+        group.wait_for("ready", {"b"}, timeout=30)
+        group.wait_for("leader", {"b"}, timeout=5, where=lambda e: e["leader_id"] == "a")
+        group["a"].pause()
+        yield group, "b", first["epoch"]
+        group["a"].resume()
+
+
+def run(*args: str) -> str:
+    out = StringIO()
+    call_command(*args, stdout=out, stderr=StringIO())
+    return out.getvalue()
+
+
+def test_status_says_a_frozen_leader_is_not_answering(
+    frozen: tuple[CandidateGroup, str, int],
+) -> None:
+    _, follower, _ = frozen
+    leader = "a"
+    doc = json.loads(run("election_status", "--json"))
+    (role,) = doc["roles"]
+    assert (role["leader_id"], role["has_leader"], role["answering"]) == (leader, True, False)
+    assert doc["leaderless"] == [] and doc["silent"] == [ROLE]
+    # Upper bound from the follower's own view: at most one TTL from when it saw
+    # the last renewal, which was before the freeze.
+    assert 0 < role["expires_within"] <= TTL
+    assert role["note"] == f"not answering; its key expires within {role['expires_within']:.1f} s"
+    assert [c["id"] for c in role["candidates"]] == [follower]
+
+    text = run("election_status")
+    assert "1 leader not answering" in text
+    assert f"{ROLE}: {leader}: not answering; its key expires within" in text
+
+    with pytest.raises(CommandError, match="leader not answering for role") as info:
+        run("election_status", "--strict")
+    assert info.value.returncode == 1
+
+
+@pytest.mark.django_db
+def test_fence_ends_the_frozen_term_and_raises_the_database_fence(
+    frozen: tuple[CandidateGroup, str, int],
+) -> None:
+    group, follower, epoch = frozen
+    leader = "a"
+    doc = json.loads(run("election_fence", ROLE, "--json"))
+    assert doc["fenced"] == {"id": leader, "epoch": epoch}
+    assert doc["new_leader"]["id"] == follower
+    assert doc["revision"] > epoch
+    assert doc["new_leader"]["epoch"] > doc["revision"]
+    assert doc["promoted_after"] < 0.1
+    # The database refuses the frozen term now, before the successor wrote anything.
+    assert doc["database_epoch"] == doc["revision"] == current_epoch(ROLE)
+    with pytest.raises(StaleLeaderError), fenced(ROLE, f"{epoch}:old-term"):
+        pass
+
+    group["a"].resume()
+    assert not group.validate(leader)
+    assert group.wait_for("demoted", {leader}, timeout=5)["reason"] == "fenced"
+    assert group.validate(follower)
+    # Status now: the follower leads and answers.
+    (role,) = json.loads(run("election_status", "--json", "--strict"))["roles"]
+    assert (role["leader_id"], role["answering"], role["note"]) == (follower, True, None)
+
+
+def test_fence_without_a_leader_exits_1(nats_leader: Any, bucket: str) -> None:
+    from celery_nats_leader import ElectionConfig, Elector
+
+    # The bucket exists (a candidate made it) but nobody holds the role any more.
+    with Elector(nats_leader()["SERVERS"][0]) as elector:
+        elector.add_role(ElectionConfig(role="other", bucket=bucket, ttl=2, create_bucket=True))
+    with pytest.raises(CommandError, match="nobody leads") as info:
+        run("election_fence", ROLE, "--no-database")
+    assert info.value.returncode == 1
+
+
+@pytest.mark.django_db
+def test_a_fenced_role_without_candidates_has_no_leader(
+    nats_server: NatsServer, bucket: str, nats_leader: Any
+) -> None:
+    nats_leader(TTL=TTL)
+    with CandidateGroup(nats_server.url, role=ROLE, bucket=bucket, ttl=TTL) as group:
+        group.spawn("a", create_bucket=True)
+        group.wait_for("promoted", {"a"}, timeout=30)
+        group["a"].pause()
+        try:
+            doc = json.loads(run("election_fence", ROLE, "--json", "--wait", "0.2"))
+            assert doc["new_leader"] is None
+            status = json.loads(_status_json())["roles"]
+            (fenced,) = [r for r in status if r["role"] == ROLE]
+            assert (fenced["has_leader"], fenced["fenced"]["id"]) == (False, "a")
+            assert fenced["note"].startswith("fenced: the term of a (epoch ")
+            with pytest.raises(CommandError, match="nobody leads") as info:
+                run("election_resign", ROLE)
+            assert info.value.returncode == 1
+        finally:
+            group["a"].resume()
+        # The fenced process sits out one TTL: it does not take its role back at once.
+        assert group.validate("a") is False
+
+
+def _status_json() -> str:
+    out = StringIO()
+    with pytest.raises(CommandError):  # nobody leads a configured role: exit 1
+        call_command("election_status", "--json", stdout=out, stderr=StringIO())
+    return out.getvalue()

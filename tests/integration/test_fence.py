@@ -1,0 +1,163 @@
+"""Fencing a stuck leader (``nats-leader fence``) against a real nats-server.
+
+The leader is a child process frozen with SIGSTOP: it cannot renew, answer
+or step down. The fence ends its term by a conditional update at the
+revision observed; a live candidate must lead within milliseconds (not
+after the TTL), and the frozen leader's fenced check must fail when it
+runs again. Times are ``time.monotonic()`` of this host (the children's
+events use the same clock).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from celery_nats_leader.errors import NotLeaderError
+from celery_nats_leader.nats.jetstream import JetStreamBackend
+from celery_nats_leader.ops.fence import fence_leader
+from celery_nats_leader.record import decode_record
+from celery_nats_leader.testing import CandidateGroup, NatsServer
+from tests.integration.helpers import ROLE, SLACK, KeyHistory, create_bucket, in_thread
+
+pytestmark = pytest.mark.integration
+
+#: A long TTL: whatever the fence achieves, the key's expiry cannot explain it.
+FENCE_TTL = 30.0
+FENCE_BUCKET = "fenced"
+#: The promise of the command: a live candidate leads this soon after it.
+PROMOTION_BOUND = 0.1
+
+
+@pytest.fixture
+async def fence_bucket(nats_server: NatsServer) -> str:
+    """A bucket whose TTL is far longer than anything the tests wait for."""
+    await create_bucket(nats_server.url, FENCE_BUCKET, ttl=FENCE_TTL)
+    return FENCE_BUCKET
+
+
+@pytest.fixture
+def slow_group(nats_server: NatsServer, fence_bucket: str) -> Iterator[CandidateGroup]:
+    """Candidates with the long TTL."""
+    with CandidateGroup(
+        nats_server.url, role=ROLE, bucket=fence_bucket, ttl=FENCE_TTL, reconnect_wait=0.1
+    ) as made:
+        yield made
+
+
+@pytest.fixture
+async def operator(nats_server: NatsServer) -> AsyncIterator[Client]:
+    """The operator's own connection."""
+    client = await nats.connect(nats_server.url)
+    yield client
+    await client.close()
+
+
+async def test_fencing_a_paused_leader_promotes_a_successor_at_once(
+    slow_group: CandidateGroup, fence_bucket: str, operator: Client
+) -> None:
+    group = slow_group
+    for name in ("a", "b"):
+        group.spawn(name)
+    await in_thread(group.wait_for_all, "ready", ["a", "b"], timeout=30)
+    first = await in_thread(group.wait_for, "promoted", timeout=FENCE_TTL + SLACK)
+    (other,) = {"a", "b"} - {first.name}
+    await in_thread(group[first.name].pause)
+
+    async with KeyHistory(operator, fence_bucket) as history:
+        outcome = await fence_leader(
+            JetStreamBackend(operator),
+            fence_bucket,
+            ROLE,
+            requester="test",
+            wait=FENCE_TTL,
+        )
+        second = await in_thread(group.wait_for, "promoted", {other}, timeout=5)
+        entries = await history.until_revision(second["epoch"])
+    # The command returned after the successor's record arrived: measure from
+    # the successor's own event, against the moment the fence was sent.
+    assert outcome.successor is not None
+    assert outcome.promoted_after is not None
+    assert outcome.promoted_after < PROMOTION_BOUND, f"{outcome.promoted_after * 1000:.1f} ms"
+    assert (outcome.fenced.id, outcome.fenced.epoch) == (first.name, first["epoch"])
+    assert (outcome.successor.id, outcome.successor.epoch) == (other, second["epoch"])
+    # The term ended at the marker, and the next term is newer still.
+    assert first["epoch"] < outcome.revision < second["epoch"]
+    ops = [(e.op, e.leader) for e in entries]
+    assert ops[-2:] == [("PUT", "fenced"), ("PUT", other)], entries
+
+    # The frozen leader runs again: its fenced check fails, and it steps down.
+    await in_thread(group[first.name].resume)
+    assert not await in_thread(group.validate, first.name)
+    demoted = await in_thread(group.wait_for, "demoted", {first.name}, timeout=5)
+    assert demoted["reason"] == "fenced"
+    assert await in_thread(group.validate, other)
+    status = await in_thread(group.status, first.name)
+    assert (status["is_leader"], status["leader_id"]) == (False, other)
+
+
+async def test_fencing_measured_from_the_command_to_the_successors_event(
+    slow_group: CandidateGroup, fence_bucket: str, operator: Client
+) -> None:
+    """The successor's own ``promoted`` event, within 100 ms of calling the fence."""
+    group = slow_group
+    for name in ("a", "b", "c"):
+        group.spawn(name)
+    await in_thread(group.wait_for_all, "ready", ["a", "b", "c"], timeout=30)
+    first = await in_thread(group.wait_for, "promoted", timeout=FENCE_TTL + SLACK)
+    await in_thread(group[first.name].pause)
+
+    backend = JetStreamBackend(operator)
+    called_at = time.monotonic()
+    outcome = await fence_leader(backend, fence_bucket, ROLE, requester="test", wait=0)
+    second = await in_thread(group.wait_for, "promoted", {"a", "b", "c"} - {first.name}, timeout=5)
+    took = second.at - called_at
+    assert took < PROMOTION_BOUND, f"successor promoted {took * 1000:.1f} ms after the fence"
+    assert second["epoch"] > outcome.revision > first["epoch"]
+    # Exactly one successor.
+    await in_thread(group[first.name].resume)
+    await in_thread(group.wait_for, "demoted", {first.name}, timeout=5)
+    assert [e.name for e in group.events("promoted")] == [first.name, second.name]
+
+
+async def test_fence_refuses_when_nobody_leads_or_the_epoch_is_not_current(
+    slow_group: CandidateGroup, fence_bucket: str, operator: Client
+) -> None:
+    backend = JetStreamBackend(operator)
+    with pytest.raises(NotLeaderError, match="nobody leads"):
+        await fence_leader(backend, fence_bucket, ROLE, requester="test")
+    slow_group.spawn("a")
+    first = await in_thread(slow_group.wait_for, "promoted", timeout=FENCE_TTL + SLACK)
+    stale = first["epoch"] + 1
+    with pytest.raises(NotLeaderError, match=f"epoch {first['epoch']}, not {stale}"):
+        await fence_leader(backend, fence_bucket, ROLE, requester="test", epoch=stale)
+    # Nothing was written: the leader keeps its term.
+    assert await in_thread(slow_group.validate, "a")
+
+
+async def test_a_live_leader_that_is_fenced_steps_down_and_sits_out(
+    slow_group: CandidateGroup, fence_bucket: str, operator: Client
+) -> None:
+    """Fencing a leader that is not stuck: it steps down at once (it watches the key)."""
+    group = slow_group
+    group.spawn("a")
+    await in_thread(group.wait_for, "promoted", {"a"}, timeout=FENCE_TTL + SLACK)
+    group.spawn("b")
+    await in_thread(group.wait_for, "ready", {"b"}, timeout=30)
+    outcome = await fence_leader(
+        JetStreamBackend(operator), fence_bucket, ROLE, requester="test", wait=5
+    )
+    demoted = await in_thread(group.wait_for, "demoted", {"a"}, timeout=5)
+    assert demoted["reason"] == "fenced"
+    second = await in_thread(group.wait_for, "promoted", timeout=5)
+    # The fenced leader sits out one TTL: the other candidate leads.
+    assert second.name == "b"
+    assert outcome.successor is not None and outcome.successor.id == "b"
+    kv = await operator.jetstream().key_value(fence_bucket)
+    entry = await kv.get(ROLE)
+    assert entry.value is not None
+    assert decode_record(entry.value, int(entry.revision or 0)).id == "b"

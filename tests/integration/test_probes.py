@@ -1,0 +1,105 @@
+"""``/healthz`` and ``/readyz`` of an Elector against a real nats-server.
+
+What an orchestrator sees: HTTP status and JSON body, while the replica
+runs, when its NATS server goes away and comes back, and when its election
+loop is blocked.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from celery_nats_leader import ElectionConfig, Elector
+from celery_nats_leader.probes import ProbeServer
+from celery_nats_leader.testing import NatsServer
+from tests.integration.helpers import ROLE, TTL
+
+pytestmark = pytest.mark.integration
+
+
+def get(port: int, path: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.fixture
+def replica(nats_server: NatsServer) -> Iterator[tuple[Elector, int]]:
+    elector = Elector(nats_server.url, connect_options={"reconnect_time_wait": 0.1})
+    elector.add_role(ElectionConfig(role=ROLE, ttl=TTL, create_bucket=True))
+    server = ProbeServer.for_elector(elector, loop_timeout=0.5)
+    port = server.serve(0, "127.0.0.1")
+    try:
+        yield elector, port
+    finally:
+        server.close()
+        elector.stop()
+
+
+def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    # Polls an HTTP endpoint: the probe has no event to wait on from outside.
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_probes_follow_the_replica(replica: tuple[Elector, int], nats_server: NatsServer) -> None:
+    elector, port = replica
+    # Not started yet: not ready (no connection, the role has not campaigned).
+    status, body = get(port, "/readyz")
+    assert (status, body["status"], body["checks"]["nats_connected"]) == (503, "fail", False)
+    assert body["checks"]["roles"][ROLE]["state"] == "init"
+
+    elector.start(timeout=10)
+    assert elector.role(ROLE).wait_for_leadership(TTL + 1)
+    status, body = get(port, "/healthz")
+    assert status == 200 and body["checks"]["election_loop"] is True
+    assert 0 <= body["checks"]["loop_delay_seconds"] < 0.5
+    status, body = get(port, "/readyz")
+    assert status == 200
+    assert body == {
+        "status": "ok",
+        "checks": {
+            "nats_connected": True,
+            "roles": {ROLE: {"started": True, "state": "leader", "is_leader": True, "error": None}},
+        },
+    }
+    assert get(port, "/nothing")[0] == 404
+
+    # NATS goes away: not ready, still alive (restarting would not help).
+    nats_server.stop()
+    wait_until(lambda: get(port, "/readyz")[0] == 503, 10, "readyz to fail")
+    assert get(port, "/readyz")[1]["checks"]["nats_connected"] is False
+    assert get(port, "/healthz")[0] == 200
+    nats_server.start()
+    wait_until(lambda: get(port, "/readyz")[0] == 200, 20, "readyz to pass again")
+
+
+def test_a_blocked_election_loop_fails_liveness(replica: tuple[Elector, int]) -> None:
+    elector, port = replica
+    elector.start(timeout=10)
+    release = threading.Event()
+
+    async def block() -> None:
+        release.wait(10)  # deliberately blocks the loop thread
+
+    future = elector.loop.submit(block())
+    try:
+        status, body = get(port, "/healthz")
+        assert (status, body["checks"]["election_loop"]) == (503, False)
+    finally:
+        release.set()
+        future.result(10)
+    assert get(port, "/healthz")[0] == 200
