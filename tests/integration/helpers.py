@@ -317,3 +317,21 @@ class LogCounter(logging.Handler):
             text in record.getMessage() and (name is None or record.name == name)
             for record in self.records
         )
+
+
+def servers_under_test() -> dict[str, str]:
+    """``nats-server-<version>`` -> binary: this run's server, Debian's and the newest.
+
+    For the tests that must cover 2.9.10 and the newest server in every run
+    (and, in a matrix run, the version under test as well); each binary once.
+    """
+    from celery_nats_leader.testing import (
+        binary_version,
+        find_nats_server_binary,
+        server_binary,
+    )
+
+    found: dict[str, str] = {}
+    for binary in (find_nats_server_binary(), server_binary("system"), server_binary("newest")):
+        found.setdefault(f"nats-server-{binary_version(binary)}", binary)
+    return found

