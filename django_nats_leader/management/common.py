@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.core.management.base import CommandError
 
+from celery_nats_leader.config import validate_key
 from celery_nats_leader.errors import ConfigError
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
@@ -26,4 +27,22 @@ def load_settings() -> LeaderSettings:
         ) from exc
 
 
-__all__ = ["EXIT_ERROR", "EXIT_NO_LEADER", "load_settings"]
+def checked_role(role: str, what: str = "ROLE") -> str:
+    """``role`` if it is a valid key, else a :class:`CommandError` (exit 2) naming it.
+
+    Args:
+        role: The role given on the command line.
+        what: How the message names the argument (``ROLE``, ``--role``).
+
+    Returns:
+        ``role`` unchanged.
+
+    """
+    try:
+        validate_key(role, what)
+    except ConfigError as exc:
+        raise CommandError(str(exc), returncode=EXIT_ERROR) from exc
+    return role
+
+
+__all__ = ["EXIT_ERROR", "EXIT_NO_LEADER", "checked_role", "load_settings"]

@@ -21,14 +21,18 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
-from celery_nats_leader.config import validate_key
-from celery_nats_leader.errors import ConfigError, ElectionError, NotLeaderError
+from celery_nats_leader.errors import ElectionError, NotLeaderError
 from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.fence import FenceOutcome, fence_leader
 from celery_nats_leader.ops.oneshot import operator_name, run_once
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
-from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
+from django_nats_leader.management.common import (
+    EXIT_ERROR,
+    EXIT_NO_LEADER,
+    checked_role,
+    load_settings,
+)
 
 
 def fence_role(
@@ -97,11 +101,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         """Fence the term and report the successor."""
         settings = load_settings()
-        role: str = options["role"]
-        try:
-            validate_key(role, "ROLE")
-        except ConfigError as exc:
-            raise CommandError(str(exc), returncode=EXIT_ERROR) from exc
+        role = checked_role(options["role"])
         wait = options["wait"]
         if wait is None:
             wait = settings.election_config(role).ttl

@@ -16,10 +16,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from celery_nats_leader.config import validate_key
 from celery_nats_leader.errors import (
     BackendTimeoutError,
-    ConfigError,
     ElectionError,
     NotLeaderError,
 )
@@ -30,7 +28,12 @@ from celery_nats_leader.ops.resign import (
     outcome_to_dict,
     request_resignation,
 )
-from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
+from django_nats_leader.management.common import (
+    EXIT_ERROR,
+    EXIT_NO_LEADER,
+    checked_role,
+    load_settings,
+)
 
 
 class Command(BaseCommand):
@@ -58,11 +61,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         """Send the request and report the hand-over."""
         settings = load_settings()
-        role: str = options["role"]
-        try:
-            validate_key(role, "ROLE")
-        except ConfigError as exc:
-            raise CommandError(str(exc), returncode=EXIT_ERROR) from exc
+        role = checked_role(options["role"])
         wait = options["wait"]
         if wait is None:
             wait = settings.election_config(role).ttl + 1.0
