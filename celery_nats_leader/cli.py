@@ -59,7 +59,7 @@ from celery_nats_leader.ops.events import (
     show_events,
     stream_info,
 )
-from celery_nats_leader.ops.fence import FenceOutcome, fence_leader
+from celery_nats_leader.ops.fence import request_fence
 from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.ops.resign import outcome_lines, outcome_to_dict, request_resignation
 from celery_nats_leader.ops.status import RoleStatus, read_status
@@ -457,22 +457,6 @@ def release(ctx: click.Context, host: str | None, timeout: float) -> None:
     ctx.exit(EXIT_OK)
 
 
-async def _fence(
-    settings: LeaderSettings, role: str, epoch: int | None, timeout: float, wait: float
-) -> FenceOutcome:
-    requester = operator_name("celery nats-leader fence")
-    async with await open_backend(settings.connection, timeout=timeout, name=requester) as backend:
-        return await fence_leader(
-            backend,
-            settings.election_config(role).bucket,
-            role,
-            requester=requester,
-            epoch=epoch,
-            timeout=timeout,
-            wait=wait,
-        )
-
-
 @nats_leader.command()
 @click.argument("role")
 @click.option("--epoch", type=int, default=None, help="Fence only this term (its epoch).")
@@ -511,7 +495,14 @@ def fence(
     if wait is None:
         wait = settings.election_config(role).ttl
     try:
-        outcome = asyncio.run(_fence(settings, role, epoch, timeout, wait))
+        outcome = request_fence(
+            settings,
+            role,
+            epoch=epoch,
+            timeout=timeout,
+            wait=wait,
+            requester=operator_name("celery nats-leader fence"),
+        )
     except NotLeaderError as exc:
         click.echo(f"Error: {exc}", err=True)
         ctx.exit(EXIT_NO_LEADER)

@@ -22,9 +22,8 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
 from celery_nats_leader.errors import ElectionError, NotLeaderError
-from celery_nats_leader.nats import open_backend
-from celery_nats_leader.ops.fence import FenceOutcome, fence_leader
-from celery_nats_leader.ops.oneshot import operator_name, run_once
+from celery_nats_leader.ops.fence import FenceOutcome, request_fence
+from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 from django_nats_leader.management.common import (
@@ -39,24 +38,14 @@ def fence_role(
     settings: LeaderSettings, role: str, *, epoch: int | None, timeout: float, wait: float
 ) -> FenceOutcome:
     """Fence the current term of ``role``; wait up to ``wait`` seconds for a successor."""
-    bucket = settings.election_config(role).bucket
-
-    async def run() -> FenceOutcome:
-        requester = operator_name("manage.py election_fence")
-        async with await open_backend(
-            settings.connection, timeout=timeout, name=requester
-        ) as backend:
-            return await fence_leader(
-                backend,
-                bucket,
-                role,
-                requester=requester,
-                epoch=epoch,
-                timeout=timeout,
-                wait=wait,
-            )
-
-    return run_once(run)
+    return request_fence(
+        settings,
+        role,
+        epoch=epoch,
+        timeout=timeout,
+        wait=wait,
+        requester=operator_name("manage.py election_fence"),
+    )
 
 
 def raise_database_fence(outcome: FenceOutcome, *, using: str | None = None) -> int:
