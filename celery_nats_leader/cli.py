@@ -85,6 +85,15 @@ def _settings(ctx: click.Context) -> LeaderSettings:
         raise  # pragma: no cover - ctx.exit raises
 
 
+def _check_role(ctx: click.Context, role: str) -> None:
+    """Exit 2 with the reason when ``role`` is not a valid key."""
+    try:
+        validate_key(role, "ROLE")
+    except ConfigError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+
+
 async def _read(
     settings: LeaderSettings, roles: Sequence[str], timeout: float, window: float
 ) -> list[RoleStatus]:
@@ -229,11 +238,7 @@ def resign(
     when nobody leads ROLE, its leader did not answer, or it refused.
     """
     settings = _settings(ctx)
-    try:
-        validate_key(role, "ROLE")
-    except ConfigError as exc:
-        click.echo(f"Error: {exc}", err=True)
-        ctx.exit(EXIT_ERROR)
+    _check_role(ctx, role)
     if wait is None:
         wait = settings.election_config(role).ttl + 1.0
     try:
@@ -487,11 +492,7 @@ def fence(
     Exits 1 when nobody leads ROLE (or its term is not --epoch).
     """
     settings = _settings(ctx)
-    try:
-        validate_key(role, "ROLE")
-    except ConfigError as exc:
-        click.echo(f"Error: {exc}", err=True)
-        ctx.exit(EXIT_ERROR)
+    _check_role(ctx, role)
     if wait is None:
         wait = settings.election_config(role).ttl
     try:
