@@ -18,18 +18,16 @@ import json
 from argparse import ArgumentParser
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand
 from django.db import DatabaseError
 
-from celery_nats_leader.errors import ElectionError, NotLeaderError
 from celery_nats_leader.ops.fence import FenceOutcome, request_fence
 from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 from django_nats_leader.management.common import (
-    EXIT_ERROR,
-    EXIT_NO_LEADER,
     checked_role,
+    election_errors,
     load_settings,
 )
 
@@ -94,7 +92,7 @@ class Command(BaseCommand):
         wait = options["wait"]
         if wait is None:
             wait = settings.election_config(role).ttl
-        try:
+        with election_errors():
             outcome = fence_role(
                 settings,
                 role,
@@ -102,10 +100,6 @@ class Command(BaseCommand):
                 timeout=options["timeout"],
                 wait=float(wait),
             )
-        except NotLeaderError as exc:
-            raise CommandError(str(exc), returncode=EXIT_NO_LEADER) from exc
-        except ElectionError as exc:
-            raise CommandError(f"cannot reach the election: {exc}", returncode=EXIT_ERROR) from exc
         database_epoch = None
         if not options["no_database"]:
             try:
