@@ -59,7 +59,7 @@ from celery_nats_leader.ops.events import (
     show_events,
     stream_info,
 )
-from celery_nats_leader.ops.fence import FenceOutcome, fence_leader
+from celery_nats_leader.ops.fence import request_fence
 from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.ops.resign import outcome_lines, outcome_to_dict, request_resignation
 from celery_nats_leader.ops.status import RoleStatus, read_status
@@ -83,6 +83,15 @@ def _settings(ctx: click.Context) -> LeaderSettings:
         click.echo(f"Error: invalid nats_leader settings: {exc}", err=True)
         ctx.exit(EXIT_ERROR)
         raise  # pragma: no cover - ctx.exit raises
+
+
+def _check_role(ctx: click.Context, role: str) -> None:
+    """Exit 2 with the reason when ``role`` is not a valid key."""
+    try:
+        validate_key(role, "ROLE")
+    except ConfigError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
 
 
 async def _read(
@@ -229,11 +238,7 @@ def resign(
     when nobody leads ROLE, its leader did not answer, or it refused.
     """
     settings = _settings(ctx)
-    try:
-        validate_key(role, "ROLE")
-    except ConfigError as exc:
-        click.echo(f"Error: {exc}", err=True)
-        ctx.exit(EXIT_ERROR)
+    _check_role(ctx, role)
     if wait is None:
         wait = settings.election_config(role).ttl + 1.0
     try:
@@ -457,22 +462,6 @@ def release(ctx: click.Context, host: str | None, timeout: float) -> None:
     ctx.exit(EXIT_OK)
 
 
-async def _fence(
-    settings: LeaderSettings, role: str, epoch: int | None, timeout: float, wait: float
-) -> FenceOutcome:
-    requester = operator_name("celery nats-leader fence")
-    async with await open_backend(settings.connection, timeout=timeout, name=requester) as backend:
-        return await fence_leader(
-            backend,
-            settings.election_config(role).bucket,
-            role,
-            requester=requester,
-            epoch=epoch,
-            timeout=timeout,
-            wait=wait,
-        )
-
-
 @nats_leader.command()
 @click.argument("role")
 @click.option("--epoch", type=int, default=None, help="Fence only this term (its epoch).")
@@ -503,15 +492,18 @@ def fence(
     Exits 1 when nobody leads ROLE (or its term is not --epoch).
     """
     settings = _settings(ctx)
-    try:
-        validate_key(role, "ROLE")
-    except ConfigError as exc:
-        click.echo(f"Error: {exc}", err=True)
-        ctx.exit(EXIT_ERROR)
+    _check_role(ctx, role)
     if wait is None:
         wait = settings.election_config(role).ttl
     try:
-        outcome = asyncio.run(_fence(settings, role, epoch, timeout, wait))
+        outcome = request_fence(
+            settings,
+            role,
+            epoch=epoch,
+            timeout=timeout,
+            wait=wait,
+            requester=operator_name("celery nats-leader fence"),
+        )
     except NotLeaderError as exc:
         click.echo(f"Error: {exc}", err=True)
         ctx.exit(EXIT_NO_LEADER)

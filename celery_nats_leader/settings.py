@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import logging
 import re
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -381,3 +382,23 @@ def unknown_celery_settings(conf: Any) -> list[str]:
         hint = f"; did you mean {suggestion or close[0]!r}?" if close else ""
         messages.append(f"unknown setting {key!r} is ignored{hint}")
     return messages
+
+
+_app_settings: weakref.WeakKeyDictionary[Any, LeaderSettings] = weakref.WeakKeyDictionary()
+
+
+def settings_of_app(app: Any) -> LeaderSettings:
+    """A Celery app's :meth:`LeaderSettings.from_celery`, read once per app (not once per task).
+
+    Args:
+        app: The Celery app (weakly referenced: the cache does not keep it alive).
+
+    Raises:
+        ConfigError: On an invalid value (nothing is cached then).
+
+    """
+    try:
+        return _app_settings[app]
+    except KeyError:
+        settings = _app_settings[app] = LeaderSettings.from_celery(app.conf)
+        return settings

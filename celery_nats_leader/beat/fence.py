@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,7 @@ from celery import Task
 from celery.exceptions import Ignore
 
 from celery_nats_leader.errors import ElectionError, RecordFormatError
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.settings import LeaderSettings, settings_of_app
 from celery_nats_leader.term import TermReader
 from celery_nats_leader.token import FencingToken
 
@@ -205,18 +204,6 @@ class DispatchFence:
         return DispatchCheck(True, True, role=role, token=token, current_epoch=current)
 
 
-_settings_cache: weakref.WeakKeyDictionary[Any, LeaderSettings] = weakref.WeakKeyDictionary()
-
-
-def _app_settings(app: Any) -> LeaderSettings:
-    """The app's settings, read once per app (not once per task)."""
-    try:
-        return _settings_cache[app]
-    except KeyError:
-        settings = _settings_cache[app] = LeaderSettings.from_celery(app.conf)
-        return settings
-
-
 def check_dispatch_token(request: Any, app: Any) -> DispatchCheck:
     """Check the beat token a task message carries against its role's current term.
 
@@ -238,7 +225,7 @@ def check_dispatch_token(request: Any, app: Any) -> DispatchCheck:
     raw = headers.get(TOKEN_HEADER)
     if raw is None:
         return DispatchCheck(False, True, reason="not dispatched by a leader scheduler")
-    settings = _app_settings(app)
+    settings = settings_of_app(app)
     role = str(headers.get(ROLE_HEADER) or settings.beat_role)
     try:
         token = FencingToken.from_header(str(raw))

@@ -35,7 +35,10 @@ from dataclasses import dataclass
 
 from celery_nats_leader.backend import Backend, KVEntry, Operation
 from celery_nats_leader.errors import NotLeaderError, RecordFormatError, RevisionMismatchError
+from celery_nats_leader.nats import open_backend
+from celery_nats_leader.ops.oneshot import run_once
 from celery_nats_leader.record import LeaderRecord, decode_record, encode_fence
+from celery_nats_leader.settings import LeaderSettings
 
 logger = logging.getLogger(__name__)
 
@@ -201,4 +204,50 @@ async def fence_leader(
         await watch.unsubscribe()
 
 
-__all__ = ["FenceOutcome", "fence_leader"]
+def request_fence(
+    settings: LeaderSettings,
+    role: str,
+    *,
+    epoch: int | None,
+    timeout: float,
+    wait: float,
+    requester: str,
+) -> FenceOutcome:
+    """Synchronous :func:`fence_leader` on a connection of its own.
+
+    Args:
+        settings: Where to connect, and the role's bucket.
+        role: The role.
+        epoch: Fence only this term (``None``: whichever term is current).
+        timeout: Seconds per NATS operation.
+        wait: Seconds to wait for a successor (``0``: do not wait).
+        requester: Who fences (written into the marker; the connection is named after it).
+
+    Returns:
+        The outcome.
+
+    Raises:
+        NotLeaderError: Nobody holds the role, or its term is not ``epoch``.
+        ElectionError: NATS unreachable, bucket missing, ...
+
+    """
+    bucket = settings.election_config(role).bucket
+
+    async def run() -> FenceOutcome:
+        async with await open_backend(
+            settings.connection, timeout=timeout, name=requester
+        ) as backend:
+            return await fence_leader(
+                backend,
+                bucket,
+                role,
+                requester=requester,
+                epoch=epoch,
+                timeout=timeout,
+                wait=wait,
+            )
+
+    return run_once(run)
+
+
+__all__ = ["FenceOutcome", "fence_leader", "request_fence"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from celery_nats_leader.testing.process import thread_states
+from celery_nats_leader.testing.process import wait_thread_states
 
 __all__ = [
     "EXITED",
@@ -40,8 +40,6 @@ MODULE = "celery_nats_leader.testing.candidate"
 
 #: Pseudo-event the parent adds when a child's stdout closes (it exited).
 EXITED = "exited"
-
-_STATE_POLL_SECONDS = 0.001
 
 
 @dataclass(frozen=True)
@@ -252,17 +250,12 @@ class CandidateProcess:
     def _wait_state(self, *, stopped: bool, timeout: float) -> None:
         # kill(2) only queues the signal: poll /proc until it took effect, so
         # that "paused" means paused (same approach as NatsServer.pause).
-        deadline = time.monotonic() + timeout
-        while True:
-            states = thread_states(self.pid)
-            if not states or all((state in "Tt") == stopped for state in states):
-                return
-            if time.monotonic() >= deadline:
-                raise RuntimeError(
-                    f"candidate {self.name} did not {'stop' if stopped else 'continue'} "
-                    f"within {timeout}s (thread states {states})"
-                )
-            time.sleep(_STATE_POLL_SECONDS)
+        states = wait_thread_states(self.pid, stopped=stopped, timeout=timeout)
+        if states is not None:
+            raise RuntimeError(
+                f"candidate {self.name} did not {'stop' if stopped else 'continue'} "
+                f"within {timeout}s (thread states {states})"
+            )
 
 
 class CandidateGroup:

@@ -41,7 +41,7 @@ from types import TracebackType
 from typing import Any, Final
 
 from celery_nats_leader.testing.ports import free_port
-from celery_nats_leader.testing.process import thread_states
+from celery_nats_leader.testing.process import wait_thread_states
 
 __all__ = [
     "POLL_INTERVAL",
@@ -651,17 +651,13 @@ class NatsServer:
         pid = self.pid
         if pid is None:
             return
-        deadline = time.monotonic() + timeout
-        while True:
-            states = thread_states(pid)
-            if not states or all((state in "Tt") == stopped for state in states):
-                return  # no /proc (not Linux) or process gone: nothing to wait for
-            if time.monotonic() >= deadline:
-                raise NatsServerError(
-                    f"nats-server pid {pid} did not {'stop' if stopped else 'continue'} "
-                    f"within {timeout}s (thread states {states})"
-                )
-            time.sleep(0.001)
+        # None also when there is no /proc (not Linux) or the process is gone.
+        states = wait_thread_states(pid, stopped=stopped, timeout=timeout)
+        if states is not None:
+            raise NatsServerError(
+                f"nats-server pid {pid} did not {'stop' if stopped else 'continue'} "
+                f"within {timeout}s (thread states {states})"
+            )
 
     def _reap(self) -> None:
         proc = self._slot.proc

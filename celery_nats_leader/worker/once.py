@@ -64,7 +64,7 @@ from celery_nats_leader.loop_thread import EventLoopThread
 from celery_nats_leader.nats.connection import open_backend
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.once import Claim, ClaimLostError, OnceGuard, Verdict
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.settings import LeaderSettings, settings_of_app
 
 __all__ = ["OnceService", "OnceTask", "run_once", "run_task_once"]
 
@@ -224,14 +224,6 @@ class OnceService:
         await coro(await self._open())
 
 
-def _settings(app: Any) -> LeaderSettings:
-    cached = getattr(app, "_nats_leader_once_settings", None)
-    if cached is None:
-        cached = LeaderSettings.from_celery(app.conf)
-        app._nats_leader_once_settings = cached
-    return cached
-
-
 def _guarded(task: Any) -> bool:
     request = task.request
     return bool(request.id) and not request.is_eager and not request.called_directly
@@ -256,7 +248,7 @@ def run_task_once(task: Any, call: Callable[[], T]) -> T:
     """
     if not _guarded(task):
         return call()
-    service = OnceService.for_settings(_settings(task.app))
+    service = OnceService.for_settings(settings_of_app(task.app))
     task_id = str(task.request.id)
     retry_in = max(service.lease / 3, 0.1)
     try:

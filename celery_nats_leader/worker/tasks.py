@@ -47,7 +47,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, TypeVar, cast, overload
@@ -59,7 +58,7 @@ from celery.exceptions import Ignore, Reject
 from celery_nats_leader import constants as c
 from celery_nats_leader.config import validate_key
 from celery_nats_leader.errors import ConfigError, LeadershipLostError, NotLeaderError
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.settings import settings_of_app
 from celery_nats_leader.token import FencingToken
 from celery_nats_leader.worker import state as worker_state
 
@@ -115,21 +114,11 @@ class LeaderOptions:
 
 # --------------------------------------------------------------- settings
 
-_settings_cache: weakref.WeakKeyDictionary[Any, LeaderSettings] = weakref.WeakKeyDictionary()
-
-
-def _settings(app: Any) -> LeaderSettings:
-    try:
-        return _settings_cache[app]
-    except KeyError:
-        settings = _settings_cache[app] = LeaderSettings.from_celery(app.conf)
-        return settings
-
 
 def _resolve_role(app: Any, options: LeaderOptions) -> str:
     if options.role is not None:
         return options.role
-    roles = _settings(app).roles
+    roles = settings_of_app(app).roles
     return roles[0] if roles else c.DEFAULT_ROLE
 
 
@@ -149,7 +138,7 @@ def _binding(task: Any) -> _Binding:
         if options is None:
             raise TypeError(f"task {task.name!r} is not leader-only")
         role = _resolve_role(task.app, options)
-        binding = _Binding(options, role, _settings(task.app).queue_for(role))
+        binding = _Binding(options, role, settings_of_app(task.app).queue_for(role))
         # Per task instance: the app's settings are read once.
         task.__dict__["_nats_leader_binding"] = binding
     return cast(_Binding, binding)

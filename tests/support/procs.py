@@ -6,14 +6,10 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from celery_nats_leader.testing.process import thread_states
-
-#: Seconds between two looks at /proc while waiting for a stop or a resume.
-_STATE_POLL_SECONDS = 0.001
+from celery_nats_leader.testing.process import wait_thread_states
 
 
 class Proc:
@@ -91,17 +87,12 @@ class Proc:
         self._wait_state(stopped=False, timeout=timeout)
 
     def _wait_state(self, *, stopped: bool, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            states = thread_states(self.pid)
-            if not states or all((state in "Tt") == stopped for state in states):
-                return
-            if time.monotonic() >= deadline:
-                raise AssertionError(
-                    f"{self} did not {'stop' if stopped else 'continue'} within {timeout}s "
-                    f"(thread states {states})"
-                )
-            time.sleep(_STATE_POLL_SECONDS)
+        states = wait_thread_states(self.pid, stopped=stopped, timeout=timeout)
+        if states is not None:
+            raise AssertionError(
+                f"{self} did not {'stop' if stopped else 'continue'} within {timeout}s "
+                f"(thread states {states})"
+            )
 
     def terminate(self) -> None:
         """SIGTERM: Celery's warm shutdown (release leadership, finish tasks)."""

@@ -18,41 +18,32 @@ import json
 from argparse import ArgumentParser
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand
 from django.db import DatabaseError
 
-from celery_nats_leader.config import validate_key
-from celery_nats_leader.errors import ConfigError, ElectionError, NotLeaderError
-from celery_nats_leader.nats import open_backend
-from celery_nats_leader.ops.fence import FenceOutcome, fence_leader
-from celery_nats_leader.ops.oneshot import operator_name, run_once
+from celery_nats_leader.ops.fence import FenceOutcome, request_fence
+from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
-from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
+from django_nats_leader.management.common import (
+    checked_role,
+    election_errors,
+    load_settings,
+)
 
 
 def fence_role(
     settings: LeaderSettings, role: str, *, epoch: int | None, timeout: float, wait: float
 ) -> FenceOutcome:
     """Fence the current term of ``role``; wait up to ``wait`` seconds for a successor."""
-    bucket = settings.election_config(role).bucket
-
-    async def run() -> FenceOutcome:
-        requester = operator_name("manage.py election_fence")
-        async with await open_backend(
-            settings.connection, timeout=timeout, name=requester
-        ) as backend:
-            return await fence_leader(
-                backend,
-                bucket,
-                role,
-                requester=requester,
-                epoch=epoch,
-                timeout=timeout,
-                wait=wait,
-            )
-
-    return run_once(run)
+    return request_fence(
+        settings,
+        role,
+        epoch=epoch,
+        timeout=timeout,
+        wait=wait,
+        requester=operator_name("manage.py election_fence"),
+    )
 
 
 def raise_database_fence(outcome: FenceOutcome, *, using: str | None = None) -> int:
@@ -97,15 +88,11 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         """Fence the term and report the successor."""
         settings = load_settings()
-        role: str = options["role"]
-        try:
-            validate_key(role, "ROLE")
-        except ConfigError as exc:
-            raise CommandError(str(exc), returncode=EXIT_ERROR) from exc
+        role = checked_role(options["role"])
         wait = options["wait"]
         if wait is None:
             wait = settings.election_config(role).ttl
-        try:
+        with election_errors():
             outcome = fence_role(
                 settings,
                 role,
@@ -113,10 +100,6 @@ class Command(BaseCommand):
                 timeout=options["timeout"],
                 wait=float(wait),
             )
-        except NotLeaderError as exc:
-            raise CommandError(str(exc), returncode=EXIT_NO_LEADER) from exc
-        except ElectionError as exc:
-            raise CommandError(f"cannot reach the election: {exc}", returncode=EXIT_ERROR) from exc
         database_epoch = None
         if not options["no_database"]:
             try:

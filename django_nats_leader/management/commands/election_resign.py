@@ -16,11 +16,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from celery_nats_leader.config import validate_key
 from celery_nats_leader.errors import (
     BackendTimeoutError,
-    ConfigError,
-    ElectionError,
     NotLeaderError,
 )
 from celery_nats_leader.ops.oneshot import operator_name
@@ -30,7 +27,12 @@ from celery_nats_leader.ops.resign import (
     outcome_to_dict,
     request_resignation,
 )
-from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
+from django_nats_leader.management.common import (
+    EXIT_NO_LEADER,
+    checked_role,
+    election_errors,
+    load_settings,
+)
 
 
 class Command(BaseCommand):
@@ -58,15 +60,12 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         """Send the request and report the hand-over."""
         settings = load_settings()
-        role: str = options["role"]
-        try:
-            validate_key(role, "ROLE")
-        except ConfigError as exc:
-            raise CommandError(str(exc), returncode=EXIT_ERROR) from exc
+        role = checked_role(options["role"])
         wait = options["wait"]
         if wait is None:
             wait = settings.election_config(role).ttl + 1.0
-        try:
+        # A leader that does not answer counts as no leader (exit 1), like none at all.
+        with election_errors((NotLeaderError, BackendTimeoutError)):
             outcome = request_resignation(
                 settings,
                 role,
@@ -74,12 +73,6 @@ class Command(BaseCommand):
                 wait=float(wait),
                 requester=operator_name("manage.py election_resign"),
             )
-        except NotLeaderError as exc:
-            raise CommandError(str(exc), returncode=EXIT_NO_LEADER) from exc
-        except BackendTimeoutError as exc:
-            raise CommandError(str(exc), returncode=EXIT_NO_LEADER) from exc
-        except ElectionError as exc:
-            raise CommandError(f"cannot reach the election: {exc}", returncode=EXIT_ERROR) from exc
         if options["json"]:
             self.stdout.write(json.dumps(outcome_to_dict(outcome), sort_keys=True))
         else:

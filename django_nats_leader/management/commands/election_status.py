@@ -16,14 +16,18 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from celery_nats_leader.config import validate_key
-from celery_nats_leader.errors import ConfigError, ElectionError
+from celery_nats_leader.errors import ElectionError
 from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.oneshot import operator_name, run_once
 from celery_nats_leader.ops.status import StatusReport, fetch_report, read_report
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
-from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
+from django_nats_leader.management.common import (
+    EXIT_ERROR,
+    EXIT_NO_LEADER,
+    checked_role,
+    load_settings,
+)
 from django_nats_leader.render import status_text
 
 
@@ -82,12 +86,7 @@ class Command(BaseCommand):
         """Read the status once (or repeatedly with ``--watch``) and print it."""
         settings = load_settings()
         expected = conf.expected_roles(settings)
-        only: list[str] = options["role"]
-        try:
-            for role in only:
-                validate_key(role, "--role")
-        except ConfigError as exc:
-            raise CommandError(str(exc), returncode=EXIT_ERROR) from exc
+        only: list[str] = [checked_role(role, "--role") for role in options["role"]]
         if options["watch"]:
             report = self._watch(settings, expected, only, options)
         else:
