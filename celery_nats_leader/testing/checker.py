@@ -444,20 +444,28 @@ def _check_ticks(
     # Ticks are named "<entry>@<scheduled second>": a second with no tick at
     # all between the first and the last is a lost tick.
     lost: list[str] = []
-    by_entry: dict[str, set[int]] = defaultdict(set)
+    by_entry: dict[str, dict[int, float]] = defaultdict(dict)
     for tick in set(dispatched) | set(runs):
         entry, _, second = tick.rpartition("@")
         if second.lstrip("-").isdigit():
-            by_entry[entry].add(int(second))
+            seen = [t for t in (dispatched.get(tick), first_run.get(tick)) if t is not None]
+            by_entry[entry][int(second)] = min(seen)
+    # Where a loss shows: a missing second when the next tick of its entry
+    # was seen; a tick that never ran when it was dispatched.
+    noticed: list[float] = []
     for entry, seconds in by_entry.items():
-        lost += [f"{entry}@{s}" for s in range(min(seconds), max(seconds)) if s not in seconds]
+        for s in range(min(seconds), max(seconds)):
+            if s not in seconds:
+                lost.append(f"{entry}@{s}")
+                noticed.append(min(t for n, t in seconds.items() if n > s))
     never_ran = [t for t in dispatched if t not in runs]
+    noticed += [dispatched[t] for t in never_ran]
     lost_total = len(lost) + len(never_ran)
     if lost_total > window:
         violations.append(
             Violation(
                 "tick lost",
-                min(dispatched.values(), default=0.0),
+                min(noticed),
                 f"{lost_total} tick(s) never ran (allowed: {window}): "
                 f"{', '.join(sorted(lost + never_ran)[:10])}",
             )

@@ -45,6 +45,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -67,7 +68,16 @@ from celery_nats_leader.testing.process import thread_states
 from celery_nats_leader.testing.soak_child import MODULE as CHILD_MODULE
 from celery_nats_leader.testing.soak_child import EventLog, FileFence, pg_settings
 
-__all__ = ["FAULT_KINDS", "Soak", "SoakOptions", "kinds_from", "postgres_reachable", "run_soak"]
+__all__ = [
+    "DRAIN_TIMEOUT",
+    "FAULT_KINDS",
+    "Soak",
+    "SoakOptions",
+    "drain_worker",
+    "kinds_from",
+    "postgres_reachable",
+    "run_soak",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +99,9 @@ FAULT_KINDS: dict[str, float] = {
 #: JetStream store cap per server: small enough to fill in a moment.
 STORE_LIMIT_BYTES = 48 * 1024 * 1024
 
+#: Seconds the beat worker gets to run its last ticks once the beats stopped
+#: (a deferred tick runs ``lease / 3`` = 10 s after its failed claim).
+DRAIN_TIMEOUT = 60.0
 _FILLER_STREAM = "SOAK_FILLER"
 _NODE_FAULTS = frozenset({"node_kill", "stream_leader_kill", "out_of_storage", "bucket_recreate"})
 
@@ -404,6 +417,8 @@ class Soak:
             "max_interval": 0.2,
             "scheduler": "nats_leader",
             "extra": {},
+            # The soak inspects the worker to drain it before it stops.
+            "remote_control": True,
         }
         env = dict(os.environ)
         env["CNL_BEAT_CONFIG"] = json.dumps(config)
@@ -470,7 +485,11 @@ class Soak:
         """Stop the beats, let the worker finish their ticks, record its runs as events."""
         if self.worker is None:
             return
-        time.sleep(2.0)  # the last dispatched ticks reach the worker
+        name = f"{self.beat_queue}@{socket.gethostname()}"
+        if not drain_worker(self.options.broker_url, self.beat_queue, name, DRAIN_TIMEOUT):
+            self._errors.append(
+                f"the beat worker still had ticks after {DRAIN_TIMEOUT:g}s; stopping it anyway"
+            )
         self.worker.terminate()  # warm shutdown: running tasks finish
         try:
             self.worker.wait(60)
@@ -969,6 +988,72 @@ class Soak:
         )
         if result.returncode != 0:
             raise RuntimeError(f"migrating the PostgreSQL fence failed:\n{result.stderr}")
+
+
+def drain_worker(
+    broker_url: str,
+    queue: str,
+    worker: str,
+    timeout: float,
+    transport_options: dict[str, Any] | None = None,
+) -> bool:
+    """Wait until a Celery worker has nothing left to run; whether it got there.
+
+    A tick reaches the worker and may still be far from running: the
+    once-guard that cannot claim its id (NATS unreachable under a fault)
+    retries it ``lease / 3`` seconds later (10 s by default), and the retry
+    waits in the worker as a scheduled task. Stopping the worker then leaves
+    the tick in the broker, unrun, and the checker would count a tick lost
+    that the system still delivers. So a soak stops its worker only once
+    ``queue`` is empty and ``worker`` (which needs remote control) reports
+    nothing active, reserved or scheduled, twice in a row. The queue is read
+    on both sides of the inspection: a message moving from the queue into the
+    worker is seen in one or the other.
+
+    Args:
+        broker_url: The broker (Redis or RabbitMQ: remote control needs a
+            broadcast).
+        queue: The worker's queue.
+        worker: The worker's node name (``name@host``).
+        timeout: Seconds to wait at most.
+        transport_options: The broker transport options of the worker's app.
+
+    Returns:
+        Whether the worker was idle before ``timeout``.
+
+    """
+    from celery import Celery
+
+    app = Celery("cnl-soak-drain", broker=broker_url, set_as_current=False)
+    app.conf.broker_transport_options = transport_options or {}
+    deadline = time.monotonic() + timeout
+    idle_in_a_row = 0
+    try:
+        with app.connection_for_read() as conn:
+            channel = conn.default_channel
+
+            def queued() -> int:
+                # Declared as the worker declares it (Celery's default: durable),
+                # not passively: a Redis queue exists only through a binding.
+                ok = channel.queue_declare(queue=queue, durable=True, auto_delete=False)
+                return int(ok.message_count)
+
+            while time.monotonic() < deadline:
+                idle = queued() == 0
+                if idle:
+                    inspect = app.control.inspect(destination=[worker], timeout=1.0)
+                    for replies in (inspect.active(), inspect.reserved(), inspect.scheduled()):
+                        if not replies or worker not in replies or replies[worker]:
+                            idle = False
+                            break
+                idle = idle and queued() == 0
+                idle_in_a_row = idle_in_a_row + 1 if idle else 0
+                if idle_in_a_row >= 2:
+                    return True
+                time.sleep(0.5)
+    finally:
+        app.close()
+    return False
 
 
 def run_soak(options: SoakOptions, progress: Callable[[str], None] | None = None) -> Report:

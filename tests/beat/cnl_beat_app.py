@@ -172,7 +172,9 @@ def make_app(config: dict[str, Any]) -> Celery:
         timezone="UTC",
         enable_utc=True,
         worker_prefetch_multiplier=1,
-        worker_enable_remote_control=False,
+        # Remote control only where a harness inspects the worker (the soak
+        # drains it: nothing queued, running, reserved or scheduled).
+        worker_enable_remote_control=bool(config.get("remote_control", False)),
         worker_send_task_events=False,
         worker_hijack_root_logger=False,
         beat_max_loop_interval=config.get("max_interval", 0.2),

@@ -100,6 +100,22 @@ def test_a_stale_fenced_write_is_caught() -> None:
     assert report.writes == {"accepted": 4, "rejected": 1}
 
 
+def test_a_tick_lost_between_runs_is_placed_where_the_next_tick_ran() -> None:
+    # The soak's shape: only the worker's ledger (no "tick" lines); the
+    # second 150 never ran between 149 and 151. The violation is placed at
+    # the run of 151, not at 0.0 (no dispatch time exists).
+    events = [
+        ev(10.0, "ledger", "run", tick="every-second@148", task="t148"),
+        ev(11.0, "ledger", "run", tick="every-second@149", task="t149"),
+        ev(13.0, "ledger", "run", tick="every-second@151", task="t151"),
+        ev(14.0, "ledger", "run", tick="every-second@147", task="t147"),  # a late retry
+    ]
+    report = check(events, ttl=TTL)
+    assert [(v.kind, v.at) for v in report.violations] == [("tick lost", 13.0)]
+    assert report.violations[0].detail.endswith(": every-second@150")
+    assert report.ticks == {"ran": 4, "twice": 0, "lost": 1}
+
+
 def test_a_tick_run_twice_and_a_lost_tick_are_caught() -> None:
     events = [
         ev(1.0, "beat1", "tick", tick="every-second@100"),
