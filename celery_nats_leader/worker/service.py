@@ -113,16 +113,15 @@ class LeaderService:
         self._started = False
         self._stopped = False
         # Installed now, before the pool forks, so that children inherit it.
-        worker_state.install(
-            WorkerLeadership(
-                self.shared,
-                self,
-                instance_id=self.instance_id,
-                bucket=settings.bucket,
-                connection=settings.connection,
-                request_timeouts={r: h.config.request_timeout for r, h in self._handles.items()},
-            )
+        self._leadership = WorkerLeadership(
+            self.shared,
+            self,
+            instance_id=self.instance_id,
+            bucket=settings.bucket,
+            connection=settings.connection,
+            request_timeouts={r: h.config.request_timeout for r, h in self._handles.items()},
         )
+        worker_state.install(self._leadership)
 
     def _add_services(self, app: Any, settings: LeaderSettings) -> list[LeaderServiceRunner]:
         """Register the app's leader services with their roles' elections."""
@@ -301,6 +300,10 @@ class LeaderService:
             # the worker's shutdown (past a TTL the key expires anyway).
             self.elector.stop(timeout=min(10.0, max(2.0, self.settings.ttl)))
         self.shared.clear_all()
+        # A stopped service leaves no election behind: checks in this process
+        # then say that none runs, not that this worker skips the role.
+        if worker_state.current() is self._leadership:
+            worker_state.install(None)
         if self.probes is not None:
             self.probes.close()
 

@@ -165,7 +165,8 @@ def test_a_worker_refuses_the_beat_role_among_its_roles() -> None:
     with pytest.raises(ConfigError, match="contains the beat role 'beat'"):
         LeaderService(app, settings)
     renamed = LeaderSettings(roles=("default", "beat"), beat_role="scheduler")
-    LeaderService(app, renamed)  # a role named "beat" is fine when beat uses another
+    # A role named "beat" is fine when beat uses another.
+    LeaderService(app, renamed).stop()
 
 
 def test_a_celery_worker_with_the_beat_role_does_not_start(tmp_path: Path) -> None:
