@@ -265,7 +265,7 @@ def run_task_once(task: Any, call: Callable[[], T]) -> T:
             exc,
             retry_in,
         )
-        raise task.retry(countdown=retry_in, max_retries=None) from exc
+        raise task.retry(countdown=retry_in, max_retries=_one_more(task)) from exc
     if claim.verdict is Verdict.DONE:
         by = (claim.holder or {}).get("by", "?")
         task_logger.info(
@@ -277,7 +277,7 @@ def run_task_once(task: Any, call: Callable[[], T]) -> T:
         task_logger.info(
             "%s[%s]: running on %s; checking again in %gs", task.name, task_id, by, retry_in
         )
-        raise task.retry(countdown=retry_in, max_retries=None)
+        raise task.retry(countdown=retry_in, max_retries=_one_more(task))
     # The renewal stops before the outcome is written (it must not move the
     # lease's revision under the final delete).
     try:
@@ -349,3 +349,15 @@ def run_once(fun: F) -> F:
 
     setattr(wrapper, _MARK, fun)
     return wrapper  # type: ignore[return-value]
+
+
+def _one_more(task: Any) -> int:
+    """A retry limit that lets this retry through, whatever the task's own.
+
+    Celery reads ``retry(max_retries=None)`` as "the task's limit" (3 by
+    default), so a copy waiting for another run's lease gave up, and was
+    lost, before that lease could expire (nats-server 2.15 expires a key
+    ~250 ms after its max_age). Waiting for the guard is not a failure to
+    count: the wait ends when the other run finishes or its lease expires.
+    """
+    return int(task.request.retries or 0) + 1
