@@ -15,11 +15,9 @@ from nats.aio.client import Client
 from celery_nats_leader.testing import CandidateGroup, NatsServer, ThreadedFaultProxy
 from tests.integration.helpers import (
     BUCKET,
-    RECONNECT_WAIT,
-    ROLE,
-    TTL,
     LocalElections,
     LogCounter,
+    candidate_group,
     create_bucket,
 )
 
@@ -76,14 +74,7 @@ def proxy(nats_server: NatsServer) -> Iterator[ThreadedFaultProxy]:
 @pytest.fixture
 def group(nats_server: NatsServer) -> Iterator[CandidateGroup]:
     """Candidate processes for ``ROLE`` in ``BUCKET`` on ``nats_server``, TTL ``TTL``."""
-    with CandidateGroup(
-        nats_server.url,
-        role=ROLE,
-        bucket=BUCKET,
-        ttl=TTL,
-        log_level="INFO",
-        reconnect_wait=RECONNECT_WAIT,
-    ) as made:
+    with candidate_group(nats_server.url) as made:
         yield made
 
 

@@ -70,6 +70,18 @@ async def in_thread(func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return await asyncio.to_thread(func, *args, **kwargs)
 
 
+def candidate_group(url: str) -> CandidateGroup:
+    """Candidate processes for ``ROLE`` in ``BUCKET`` on the server at ``url``, TTL ``TTL``."""
+    return CandidateGroup(
+        url,
+        role=ROLE,
+        bucket=BUCKET,
+        ttl=TTL,
+        log_level="INFO",
+        reconnect_wait=RECONNECT_WAIT,
+    )
+
+
 def wait_follows(
     group: CandidateGroup, name: str, leader: str, *, timeout: float = 5.0
 ) -> CandidateEvent:

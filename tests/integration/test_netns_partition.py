@@ -22,12 +22,10 @@ import pytest
 from celery_nats_leader.testing import CandidateGroup, NatsServer
 from celery_nats_leader.testing.netns import NetnsHost, cleanup_leftovers
 from tests.integration.helpers import (
-    BUCKET,
     LEASE,
-    RECONNECT_WAIT,
-    ROLE,
     SLACK,
     TTL,
+    candidate_group,
     create_bucket,
     wait_follows,
 )
@@ -62,14 +60,7 @@ def root_server(host: NetnsHost) -> Iterator[NatsServer]:
 @pytest.fixture
 def hosts_group(root_server: NatsServer) -> Iterator[CandidateGroup]:
     """Candidate processes for ``ROLE`` on ``root_server``."""
-    with CandidateGroup(
-        root_server.url,
-        role=ROLE,
-        bucket=BUCKET,
-        ttl=TTL,
-        log_level="INFO",
-        reconnect_wait=RECONNECT_WAIT,
-    ) as made:
+    with candidate_group(root_server.url) as made:
         yield made
 
 
