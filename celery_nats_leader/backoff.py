@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from celery_nats_leader.constants import (
     BACKOFF_INITIAL_SECONDS,
@@ -11,6 +15,11 @@ from celery_nats_leader.constants import (
     BACKOFF_MULTIPLIER,
     CIRCUIT_BREAKER_THRESHOLD,
 )
+from celery_nats_leader.errors import ElectionError, is_transient
+
+T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 class Backoff:
@@ -75,3 +84,41 @@ class Backoff:
     def success(self) -> None:
         """Record a success: the next failure starts from the initial delay."""
         self.failures = 0
+
+
+def retry_transient(call: Callable[[float], T], *, timeout: float, what: str) -> T:
+    """Call ``call(remaining_seconds)`` until it succeeds, retrying transient errors.
+
+    Used where a process starts: a JetStream that answers "temporarily
+    unavailable" (a cluster electing a stream leader, a store that was full)
+    or a request that timed out is no reason to give up while time remains.
+    Permanent errors (see :func:`~celery_nats_leader.errors.is_transient`)
+    are raised at once; a transient one is raised when the next attempt
+    would start after ``timeout``.
+
+    Args:
+        call: The operation; it receives the seconds left before the deadline.
+        timeout: Seconds from now after which no attempt starts.
+        what: What is being done, for the log ("leader election", ...).
+
+    Returns:
+        What ``call`` returned.
+
+    """
+    deadline = time.monotonic() + timeout
+    backoff = Backoff(maximum=1.0, breaker_threshold=1_000_000)
+    while True:
+        try:
+            return call(max(deadline - time.monotonic(), 0.1))
+        except ElectionError as exc:
+            delay = backoff.failure()
+            if not is_transient(exc) or time.monotonic() + delay >= deadline:
+                raise
+            logger.warning(
+                "%s could not start yet (%s: %s); retrying in %.0f ms",
+                what,
+                type(exc).__name__,
+                exc,
+                delay * 1000,
+            )
+            time.sleep(delay)

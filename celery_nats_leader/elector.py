@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from celery_nats_leader.backend import Backend, Bucket
-from celery_nats_leader.backoff import Backoff
+from celery_nats_leader.backoff import Backoff, retry_transient
 from celery_nats_leader.clock import Clock
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election import (
@@ -34,7 +34,12 @@ from celery_nats_leader.election import (
 from celery_nats_leader.election.interface import LeaderElection, new_election
 from celery_nats_leader.election.observer import ElectionObserver
 from celery_nats_leader.election.services import LeaderServiceRunner, ServiceFunction
-from celery_nats_leader.errors import ConfigError, ElectionError, NatsUnavailableError
+from celery_nats_leader.errors import (
+    ConfigError,
+    ElectionError,
+    NatsUnavailableError,
+    is_transient,
+)
 from celery_nats_leader.loop_thread import EventLoopThread
 from celery_nats_leader.nats import ConnectionListener, ConnectOptions, open_backend
 from celery_nats_leader.ops.status import RoleStatus, read_status
@@ -340,7 +345,13 @@ class Elector(ConnectionListener):
         self._started = True
         if require_connection:
             try:
-                self.loop.run(self._connect_and_start_roles(timeout), timeout + 30)
+                retry_transient(
+                    lambda remaining: self.loop.run(
+                        self._connect_and_start_roles(remaining), remaining + 30
+                    ),
+                    timeout=timeout,
+                    what="leader election",
+                )
             except BaseException:
                 self.stop()
                 raise
@@ -368,7 +379,7 @@ class Elector(ConnectionListener):
             except ElectionError as exc:
                 attempts += 1
                 self._start_error = exc
-                permanent = not isinstance(exc, NatsUnavailableError)
+                permanent = not is_transient(exc)
                 delay = _PERMANENT_RETRY if permanent else backoff.failure()
                 now = time.monotonic()
                 level = logging.DEBUG

@@ -73,3 +73,14 @@ class RevisionMismatchError(ElectionError):
 
 class RecordFormatError(ElectionError):
     """Raised when a key holds a value that is not a leader record of this package."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` may go away by itself: NATS unreachable, a timeout, a 503.
+
+    JetStream answers "temporarily unavailable" while a cluster elects a
+    stream leader or recovers from a full store; such errors are retried.
+    A missing bucket, a wrong bucket setting or a denied permission are not:
+    only an operator fixes those.
+    """
+    return isinstance(exc, (NatsUnavailableError, BackendError))

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from celery_nats_leader.backoff import retry_transient
 from celery_nats_leader.beat.state import ScheduleStateStore
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election import DemoteReason, ElectionState
@@ -121,7 +122,12 @@ class BeatElection:
             if elector.connected:
                 # Fail now, not at the first promotion, on a missing or
                 # misconfigured state bucket.
-                self.store.open()
+                store = self.store
+                retry_transient(
+                    lambda _remaining: store.open(),
+                    timeout=settings.start_timeout,
+                    what="the schedule state store",
+                )
         except ElectionError as exc:
             logger.critical("nats-leader beat: cannot start: %s", exc)
             elector.stop()

@@ -39,6 +39,7 @@ from celery_nats_leader.errors import (
     BackendTimeoutError,
     BucketConfigError,
     BucketNotFoundError,
+    ElectionError,
     JetStreamUnavailableError,
     KeyExistsError,
     NotConnectedError,
@@ -70,6 +71,9 @@ MARKERS_SINCE = (2, 11)
 _EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 # Seconds of slack tolerated between the bucket's max_age and the election TTL.
 _TTL_TOLERANCE = 0.001
+#: "JetStream system temporarily unavailable": a cluster without a meta or
+#: stream leader for now (electing one, a store that was full). Transient.
+_TEMPORARILY_UNAVAILABLE = 10008
 
 
 def _bucket_missing_message(name: str, ttl: float) -> str:
@@ -89,6 +93,35 @@ def _persistent_bucket_missing_message(name: str) -> str:
         f"its data must not expire), or set create_bucket=True (nats_leader_create_bucket in "
         f"Celery)."
     )
+
+
+def _jetstream_refusal(exc: Exception) -> ElectionError:
+    """Translate "no responders" or a 503 from the JetStream API.
+
+    Nobody answering, or a 503 that says JetStream is not enabled, is a
+    server (or account) without JetStream: permanent. A 503 "temporarily
+    unavailable" is a cluster between leaders: worth retrying.
+    """
+    if (
+        isinstance(exc, nats.js.errors.ServiceUnavailableError)
+        and exc.err_code == _TEMPORARILY_UNAVAILABLE
+    ):
+        return BackendError(f"JetStream: {exc}")
+    return JetStreamUnavailableError(
+        "the NATS server has no JetStream: start nats-server with -js "
+        "(or enable jetstream {} in its configuration)"
+    )
+
+
+def _connection_error(exc: Exception) -> BackendError:
+    """Translate a nats-py error that is about the connection, not the request."""
+    if isinstance(
+        exc, (nats.errors.OutboundBufferLimitError, nats.errors.ConnectionReconnectingError)
+    ):
+        return NotConnectedError("not connected to NATS")
+    if isinstance(exc, (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError)):
+        return NotConnectedError("the NATS connection is closed")
+    return BackendError(f"NATS: {exc}")
 
 
 def _retrieve_outcome(request: asyncio.Future[Any]) -> None:
@@ -493,17 +526,10 @@ class JetStreamBackend:
         except (asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
             self._raise_if_refused(started, f"bucket {bucket!r}")
             raise BackendTimeoutError(f"no answer within {timeout:g}s") from exc
-        except (
-            nats.errors.OutboundBufferLimitError,
-            nats.errors.ConnectionReconnectingError,
-        ) as exc:
-            raise NotConnectedError("not connected to NATS") from exc
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
-            raise NotConnectedError("the NATS connection is closed") from exc
         except nats.errors.NoRespondersError as exc:
             raise BackendError("no responders") from exc
         except nats.errors.Error as exc:
-            raise BackendError(f"NATS: {exc}") from exc
+            raise _connection_error(exc) from exc
 
     async def _stream_missing(self, bucket: str) -> bool:
         try:
@@ -543,13 +569,12 @@ class JetStreamBackend:
                 name, ttl=None if persistent else ttl, replicas=replicas, timeout=timeout
             )
         except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
-            raise JetStreamUnavailableError(
-                "the NATS server has no JetStream: start nats-server with -js "
-                "(or enable jetstream {} in its configuration)"
-            ) from exc
+            raise _jetstream_refusal(exc) from exc
         except (asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
             self._raise_if_refused(started, f"opening KV bucket {name!r}")
             raise BackendTimeoutError(f"opening KV bucket {name!r} timed out") from exc
+        except nats.errors.Error as exc:
+            raise _connection_error(exc) from exc
         bucket = JetStreamBucket(self, name, kv)
         if persistent:
             max_age = await bucket.ttl(timeout=timeout)
@@ -614,9 +639,7 @@ class JetStreamBackend:
             # the max_age check that follows reports).
             return await asyncio.wait_for(self.js.key_value(name), timeout)
         except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
-            raise JetStreamUnavailableError(
-                "the NATS server has no JetStream: start nats-server with -js"
-            ) from exc
+            raise _jetstream_refusal(exc) from exc
 
     async def bucket_info(self, name: str, *, timeout: float) -> BucketInfo:
         """Read a bucket's settings from its stream (``KV_<name>``).
@@ -665,11 +688,12 @@ class JetStreamBackend:
             if exc.err_code == _STREAM_NOT_FOUND:
                 raise BucketNotFoundError(f"KV bucket {name!r} does not exist") from exc
             raise BackendError(f"JetStream: {exc}") from exc
+        except nats.js.errors.ServiceUnavailableError as exc:
+            raise _jetstream_refusal(exc) from exc
         except (
             asyncio.TimeoutError,
             nats.errors.TimeoutError,
             nats.errors.NoRespondersError,
-            nats.js.errors.ServiceUnavailableError,
         ) as exc:
             raise JetStreamUnavailableError(
                 f"JetStream did not answer within {timeout:g}s ({type(exc).__name__}): start "
@@ -680,7 +704,7 @@ class JetStreamBackend:
                 raise PermissionDeniedError(f"JetStream refused: {exc}") from exc
             raise BackendError(f"JetStream: {exc}") from exc
         except nats.errors.Error as exc:
-            raise BackendError(f"NATS: {exc}") from exc
+            raise _connection_error(exc) from exc
 
     async def subscribe(self, subject: str, handler: MessageHandler) -> JetStreamSubscription:
         """Deliver messages on ``subject`` to ``handler``."""

@@ -164,13 +164,14 @@ async def test_killed_leader_is_replaced_within_lease_plus_skew(
 ) -> None:
     leader = await NodeProcess.spawn(nats_server.url, "doomed", priority=10)
     processes.append(leader)
-    # Its init phase must end first: candidates still in init are not
-    # eligible, so starting the others earlier would let them win.
+    # It leads before the others join: a candidate still in its init phase
+    # is not eligible, so if the others started while it was (a slow
+    # process start), one of them could win instead.
     await leader.wait_event("started", 30)
+    await leader.wait_event("promote", INIT + 3 * REAL_HB + SLACK)
     b = real_nodes.add(nats_server.url, "b", priority=5)
     c = real_nodes.add(nats_server.url, "c", priority=1)
     await start_all(b, c)
-    await leader.wait_event("promote", INIT + 3 * REAL_HB + SLACK)
     await wait_for(lambda: b.election.leader_id == "doomed" == c.election.leader_id, 2)
     await stays(lambda: not real_nodes.leaders(), 2 * REAL_HB)
 

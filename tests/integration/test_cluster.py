@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 
 import nats
 import pytest
 
+from celery_nats_leader import ElectionConfig, Elector
 from celery_nats_leader.testing import CandidateGroup, NatsCluster
 from tests.integration.helpers import (
     BUCKET,
@@ -110,3 +113,73 @@ async def test_r3_bucket_survives_losing_a_server(cluster: NatsCluster, victim: 
         assert successor["epoch"] > epoch
         assert await in_thread(group.validate, successor.name)
         assert group.overlap({leader: crashed_at}) == 0.0
+
+
+class _Announced(logging.Handler):
+    """Sets ``seen`` when a record whose message contains ``text`` is logged."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.WARNING)
+        self.text = text
+        self.seen = threading.Event()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        self.messages.append(message)
+        if self.text in message:
+            self.seen.set()
+
+
+async def test_a_required_start_waits_out_a_cluster_without_quorum(
+    cluster: NatsCluster,
+) -> None:
+    """JetStream "temporarily unavailable" at start-up is retried, not fatal.
+
+    A beat or worker with ``nats_leader_required`` that starts while the
+    bucket's stream has no quorum (two of three servers down) keeps trying
+    within its start timeout and joins once the servers are back.
+    """
+    config = ElectionConfig(
+        role=ROLE,
+        bucket=BUCKET,
+        ttl=TTL,
+        instance_id="first",
+        create_bucket=True,
+        bucket_replicas=3,
+    )
+    with Elector(cluster.urls, name="first") as first:
+        assert first.add_role(config).is_leader  # the R3 bucket exists now
+    cluster.kill(1)
+    cluster.kill(2)
+
+    waiting = _Announced("could not start yet")
+    logging.getLogger("celery_nats_leader").addHandler(waiting)
+    late = Elector(cluster.urls[0], name="late")
+    handle = late.add_role(ElectionConfig(role=ROLE, bucket=BUCKET, ttl=TTL, instance_id="late"))
+    outcome: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            late.start(timeout=60, require_connection=True)
+        except BaseException as exc:  # the test reports it below
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    try:
+        # The first attempt failed on the stream without quorum, and said so.
+        assert await in_thread(waiting.seen.wait, 30), (outcome, waiting.messages)
+        assert not outcome, outcome
+        await in_thread(cluster.restart, 1)
+        await in_thread(cluster.restart, 2)
+        await in_thread(starter.join, 60)
+        assert outcome == [None]
+        # Joined: the role was decided (it leads: the first elector released it).
+        assert handle.is_leader
+    finally:
+        logging.getLogger("celery_nats_leader").removeHandler(waiting)
+        starter.join(60)
+        late.stop()
