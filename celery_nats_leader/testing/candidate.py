@@ -126,6 +126,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="stop gracefully when stdin closes (the parent went away)",
     )
     parser.add_argument("--log-level", help="configure logging to stderr at this level")
+    parser.add_argument(
+        "--no-leader-events",
+        action="store_true",
+        help="do not print leader changes (benchmarks: a follower then does no more "
+        "work on a change than a user's would)",
+    )
     return parser.parse_args(argv)
 
 
@@ -235,13 +241,15 @@ async def _elect(
     async def _demoted(reason: DemoteReason) -> None:
         printer.emit("demoted", reason=reason.value)
 
-    @election.on_leader_change
     async def _leader(record: LeaderRecord | None) -> None:
         printer.emit(
             "leader",
             leader_id=None if record is None else record.id,
             epoch=None if record is None else record.epoch,
         )
+
+    if not args.no_leader_events:
+        election.on_leader_change(_leader)
 
     @election.on_error
     async def _error(exc: ElectionError) -> None:
