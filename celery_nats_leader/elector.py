@@ -411,7 +411,17 @@ class Elector(ConnectionListener):
                     self.connect_options, listeners=[self], timeout=timeout, name=self._name
                 )
         self._connected.set()
-        await asyncio.gather(*(self._start_election(h) for h in list(self._roles.values())))
+        # Every start runs to its end before an error is raised: a retry must
+        # never start a role whose first start is still in flight.
+        outcomes = await asyncio.gather(
+            *(self._start_election(h) for h in list(self._roles.values())),
+            return_exceptions=True,
+        )
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        # A permanent error (or a cancellation) wins over a transient one.
+        errors.sort(key=lambda exc: isinstance(exc, Exception) and is_transient(exc))
+        if errors:
+            raise errors[0]
 
     async def _start_election(self, handle: RoleHandle) -> None:
         election = handle.election

@@ -117,15 +117,16 @@ class BeatElection:
             ", ".join(settings.servers),
             settings.beat_state_bucket,
         )
+        deadline = time.monotonic() + settings.start_timeout
         try:
             elector.start(timeout=settings.start_timeout, require_connection=settings.required)
             if elector.connected:
                 # Fail now, not at the first promotion, on a missing or
-                # misconfigured state bucket.
+                # misconfigured state bucket (within the same start timeout).
                 store = self.store
                 retry_transient(
                     lambda _remaining: store.open(),
-                    timeout=settings.start_timeout,
+                    timeout=max(deadline - time.monotonic(), 0.1),
                     what="the schedule state store",
                 )
         except ElectionError as exc:

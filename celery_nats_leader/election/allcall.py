@@ -267,8 +267,13 @@ class AllcallElection(BaseElection):
             c.ROSTER_VERB: self._on_roster,
             c.RESIGN_VERB: self._on_resign_request,
         }
-        for verb, handler in handlers.items():
-            self._subscriptions.append(await backend.subscribe(self._subjects[verb], handler))
+        try:
+            for verb, handler in handlers.items():
+                self._subscriptions.append(await backend.subscribe(self._subjects[verb], handler))
+        except BaseException:
+            # Restartable: no handler may be left subscribed twice on a retry.
+            await self._abandon_start()
+            raise
         now = self._clock.monotonic()
         self._enter_init(now)
         self._set_state(ElectionState.FOLLOWER)

@@ -562,6 +562,17 @@ class BaseElection(abc.ABC):
         if self._leading is not None:
             self._leading.set()
 
+    async def _abandon_start(self) -> None:
+        """Undo a failed start: the election stays in INIT and may start again.
+
+        Subscriptions made so far go, the callback runner stops, and a
+        connection this election opened is closed (it must not stay behind,
+        reconnecting and logging forever, after ``start()`` raised).
+        """
+        await self._unsubscribe_all()
+        await self._callbacks.stop()
+        await self._close_own_backend()
+
     async def _unsubscribe_all(self) -> None:
         for sub in self._subscriptions:
             with contextlib.suppress(Exception):

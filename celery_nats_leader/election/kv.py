@@ -197,11 +197,8 @@ class Election(BaseElection):
         self._set_state(ElectionState.FOLLOWER)
 
     async def _abandon_start(self) -> None:
-        """Undo a failed :meth:`start`; the election stays in INIT and may start again."""
-        await self._unsubscribe_all()
-        await self._callbacks.stop()
         self._bucket = None
-        await self._close_own_backend()
+        await super()._abandon_start()
 
     async def stop(self) -> None:
         """Leave the election.

@@ -71,9 +71,10 @@ MARKERS_SINCE = (2, 11)
 _EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 # Seconds of slack tolerated between the bucket's max_age and the election TTL.
 _TTL_TOLERANCE = 0.001
-#: "JetStream system temporarily unavailable": a cluster without a meta or
-#: stream leader for now (electing one, a store that was full). Transient.
-_TEMPORARILY_UNAVAILABLE = 10008
+#: 503s that mean JetStream is off (for the server or the account): permanent.
+#: Every other 503 ("JetStream system temporarily unavailable" while a cluster
+#: elects a leader, insufficient resources, ...) may pass: transient.
+_JETSTREAM_NOT_ENABLED = frozenset({10076, 10039})
 
 
 def _bucket_missing_message(name: str, ttl: float) -> str:
@@ -99,18 +100,30 @@ def _jetstream_refusal(exc: Exception) -> ElectionError:
     """Translate "no responders" or a 503 from the JetStream API.
 
     Nobody answering, or a 503 that says JetStream is not enabled, is a
-    server (or account) without JetStream: permanent. A 503 "temporarily
-    unavailable" is a cluster between leaders: worth retrying.
+    server (or account) without JetStream: permanent. Any other 503 (for
+    example "temporarily unavailable": a cluster between leaders) is worth
+    retrying.
     """
     if (
         isinstance(exc, nats.js.errors.ServiceUnavailableError)
-        and exc.err_code == _TEMPORARILY_UNAVAILABLE
+        and exc.err_code not in _JETSTREAM_NOT_ENABLED
     ):
         return BackendError(f"JetStream: {exc}")
     return JetStreamUnavailableError(
         "the NATS server has no JetStream: start nats-server with -js "
         "(or enable jetstream {} in its configuration)"
     )
+
+
+def _bucket_api_error(exc: nats.js.errors.APIError, name: str) -> ElectionError:
+    """Translate a JetStream API error answering the opening or creation of a bucket."""
+    if isinstance(exc, nats.js.errors.BadBucketError):
+        return BucketConfigError(
+            f"stream KV_{name} exists but is not a KV bucket ({exc}); use another bucket name"
+        )
+    if exc.code == 403 or "permission" in str(exc.description or "").lower():
+        return PermissionDeniedError(f"JetStream refused: {exc}")
+    return BackendError(f"JetStream: {exc}")
 
 
 def _connection_error(exc: Exception) -> BackendError:
@@ -573,6 +586,8 @@ class JetStreamBackend:
         except (asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
             self._raise_if_refused(started, f"opening KV bucket {name!r}")
             raise BackendTimeoutError(f"opening KV bucket {name!r} timed out") from exc
+        except nats.js.errors.APIError as exc:
+            raise _bucket_api_error(exc, name) from exc
         except nats.errors.Error as exc:
             raise _connection_error(exc) from exc
         bucket = JetStreamBucket(self, name, kv)
@@ -632,14 +647,23 @@ class JetStreamBackend:
             ".".join(map(str, self.server_version())),
             "limit_marker_ttl" in options,
         )
+        # Called from open_bucket's handler of a missing bucket: the errors
+        # are translated here, the handlers beside that one do not see them.
         try:
-            return await asyncio.wait_for(self.js.create_key_value(config), timeout)
-        except nats.js.errors.BadRequestError:
-            # Another candidate created it first (or its settings differ, which
-            # the max_age check that follows reports).
-            return await asyncio.wait_for(self.js.key_value(name), timeout)
+            try:
+                return await asyncio.wait_for(self.js.create_key_value(config), timeout)
+            except nats.js.errors.BadRequestError:
+                # Another candidate created it first (or its settings differ,
+                # which the max_age check that follows reports).
+                return await asyncio.wait_for(self.js.key_value(name), timeout)
         except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
             raise _jetstream_refusal(exc) from exc
+        except (asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
+            raise BackendTimeoutError(f"creating KV bucket {name!r} timed out") from exc
+        except nats.js.errors.APIError as exc:
+            raise _bucket_api_error(exc, name) from exc
+        except nats.errors.Error as exc:
+            raise _connection_error(exc) from exc
 
     async def bucket_info(self, name: str, *, timeout: float) -> BucketInfo:
         """Read a bucket's settings from its stream (``KV_<name>``).
