@@ -117,7 +117,12 @@ def run_failover(
     if not crash:
         assert first.wait(60) == 0, first.log()[-3000:]
 
-    verify(cluster, total=total, leaders=(first, second, third), crashed=first if crash else None)
+    verify(
+        cluster,
+        total=total,
+        leaders=(first, second, third),
+        crashed=first if crash else None,
+    )
 
 
 def unfinished_runs(cluster: Cluster) -> dict[tuple[int, int, int], int]:
@@ -130,8 +135,13 @@ def unfinished_runs(cluster: Cluster) -> dict[tuple[int, int, int], int]:
 
 
 def verify(
-    cluster: Cluster, *, total: int, leaders: tuple[Proc, ...], crashed: Proc | None
+    cluster: Cluster,
+    *,
+    total: int,
+    leaders: tuple[Proc, ...],
+    crashed: Proc | None,
 ) -> None:
+    """Check the ledger against the delivery semantics in docs/workers.md."""
     ledger = cluster.ledger
     first, second, third = leaders
 
@@ -163,7 +173,26 @@ def verify(
     assert all(key[1] == crashed_pid for key in unfinished), unfinished
     committer = {seq: main_pid for seq, main_pid, _ in committed}
     duplicates = [(seq, pid) for seq, pid, _, kind in refusals if kind == "duplicate"]
-    assert all(committer[seq] == crashed_pid for seq, _ in duplicates), duplicates
+    # Runs the gracefully stopped leader finished after its warm shutdown
+    # began (its demotion, reason "stopped"): Celery can leave them
+    # unacknowledged (Celery #3802, seen on Redis), so they are delivered
+    # again and the duplicate commit is refused. Their check still passed
+    # within the term (asserted above).
+    (stopped_at,) = [
+        t.t for t in ledger.terms() if t.event == "demoted" and t.main_pid == second.pid
+    ]
+    redelivered = {
+        seq
+        for (seq,) in ledger.rows(
+            "SELECT seq FROM commits WHERE main_pid = ? AND t >= ?", second.pid, stopped_at
+        )
+    }
+    unexplained = [
+        (seq, pid)
+        for seq, pid in duplicates
+        if committer[seq] != crashed_pid and seq not in redelivered
+    ]
+    assert not unexplained, (unexplained, duplicates)
 
     # Every leader did work; the graceful stop released the key.
     committers = {main_pid for _, main_pid, _ in committed}
