@@ -666,6 +666,20 @@ class BaseElection(abc.ABC):
             self._flush_events(), name=f"{self._name_prefix}-events-{self.role}"
         )
 
+    async def _events_out(self) -> None:
+        """Hand the queued events to the connection before the key is released.
+
+        The successor's ``promoted`` is published after it saw the release;
+        on one connection, publishes reach the server in order, so the trail
+        shows a term's end before the next term's start even on a busy host.
+        Costs one buffered publish on the hand-over path.
+        """
+        self._schedule_event_flush()
+        task = self._event_task
+        if task is not None:
+            with contextlib.suppress(Exception):
+                await task
+
     async def _flush_events(self) -> None:
         """Publish the queued events in order; keep them while disconnected."""
         backend = self._backend

@@ -104,8 +104,11 @@ def _jetstream_refusal(exc: Exception) -> ElectionError:
     example "temporarily unavailable": a cluster between leaders) is worth
     retrying.
     """
+    # nats-py reports a 503 *status* (nobody serves the JetStream API: a
+    # server without JetStream) as a ServiceUnavailableError without err_code.
     if (
         isinstance(exc, nats.js.errors.ServiceUnavailableError)
+        and exc.err_code is not None
         and exc.err_code not in _JETSTREAM_NOT_ENABLED
     ):
         return BackendError(f"JetStream: {exc}")

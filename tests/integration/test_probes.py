@@ -91,12 +91,17 @@ def test_a_blocked_election_loop_fails_liveness(replica: tuple[Elector, int]) ->
     elector, port = replica
     elector.start(timeout=10)
     release = threading.Event()
+    blocking = threading.Event()
 
     async def block() -> None:
+        blocking.set()
         release.wait(10)  # deliberately blocks the loop thread
 
     future = elector.loop.submit(block())
     try:
+        # Probe only once the loop is really blocked (a busy machine may run
+        # the probe's own check on the loop before this coroutine starts).
+        assert blocking.wait(10)
         status, body = get(port, "/healthz")
         assert (status, body["checks"]["election_loop"]) == (503, False)
     finally:

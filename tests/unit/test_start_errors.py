@@ -60,6 +60,8 @@ def test_what_is_transient(exc: ElectionError, transient: bool) -> None:
         (unavailable(10076), JetStreamUnavailableError),
         (unavailable(10039), JetStreamUnavailableError),
         (nats.errors.NoRespondersError(), JetStreamUnavailableError),
+        # A 503 status with no JetStream error body: nobody serves the API.
+        (nats.js.errors.ServiceUnavailableError(), JetStreamUnavailableError),
     ],
 )
 def test_jetstream_refusals(exc: Exception, expected: type[ElectionError]) -> None:
