@@ -89,9 +89,10 @@ class Backoff:
 def retry_transient(call: Callable[[float], T], *, timeout: float, what: str) -> T:
     """Call ``call(remaining_seconds)`` until it succeeds, retrying transient errors.
 
-    Used where a process starts: a JetStream that answers "temporarily
-    unavailable" (a cluster electing a stream leader, a store that was full)
-    or a request that timed out is no reason to give up while time remains.
+    Used where a process starts, and where a finished run is recorded: a
+    JetStream that answers "temporarily unavailable" (a cluster electing a
+    stream leader, a store that was full) or a request that timed out is no
+    reason to give up while time remains.
     Permanent errors (see :func:`~celery_nats_leader.errors.is_transient`)
     are raised at once; a transient one is raised when the next attempt
     would start after ``timeout``.
@@ -99,7 +100,7 @@ def retry_transient(call: Callable[[float], T], *, timeout: float, what: str) ->
     Args:
         call: The operation; it receives the seconds left before the deadline.
         timeout: Seconds from now after which no attempt starts.
-        what: What is being done, for the log ("leader election", ...).
+        what: What is being done, for the log ("starting the leader election", ...).
 
     Returns:
         What ``call`` returned.
@@ -115,7 +116,7 @@ def retry_transient(call: Callable[[float], T], *, timeout: float, what: str) ->
             if not is_transient(exc) or time.monotonic() + delay >= deadline:
                 raise
             logger.warning(
-                "%s could not start yet (%s: %s); retrying in %.0f ms",
+                "%s failed (%s: %s); retrying in %.0f ms",
                 what,
                 type(exc).__name__,
                 exc,

@@ -350,7 +350,7 @@ class Elector(ConnectionListener):
                         self._connect_and_start_roles(remaining), remaining + 30
                     ),
                     timeout=timeout,
-                    what="leader election",
+                    what="starting the leader election",
                 )
             except BaseException:
                 self.stop()

@@ -250,7 +250,9 @@ class OnceGuard:
         try:
             await self.done.create(kv_key, record, timeout=self.timeout)
         except KeyExistsError:
-            first = False
+            # Ours when a retried completion finds its own earlier write.
+            found = await self._done_record(kv_key)
+            first = found is not None and found.get("nonce") == claim.nonce
         except BackendTimeoutError:
             found = await self._done_record(kv_key)
             if found is None:

@@ -127,7 +127,7 @@ class BeatElection:
                 retry_transient(
                     lambda _remaining: store.open(),
                     timeout=max(deadline - time.monotonic(), 0.1),
-                    what="the schedule state store",
+                    what="opening the schedule state store",
                 )
         except ElectionError as exc:
             logger.critical("nats-leader beat: cannot start: %s", exc)

@@ -53,6 +53,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_task_logger
 
 from celery_nats_leader.backend import Bucket
+from celery_nats_leader.backoff import retry_transient
 from celery_nats_leader.errors import (
     BackendTimeoutError,
     BucketConfigError,
@@ -294,8 +295,16 @@ def run_task_once(task: Any, call: Callable[[], T]) -> T:
 
 
 def _settle(service: OnceService, step: Callable[[OnceGuard], Coroutine[Any, Any, Any]]) -> None:
+    # Transient failures (JetStream out of storage for a moment, a cluster
+    # between stream leaders) are retried while the lease still stands: until
+    # it expires a duplicate is told "busy", so retrying for half of it is
+    # safe, and a record written late still stops every later duplicate.
     try:
-        service.run(step)
+        retry_transient(
+            lambda _remaining: service.run(step),
+            timeout=service.lease / 2,
+            what="recording a finished run in the once-guard",
+        )
     except ElectionError as exc:
         # The body ran; the claim expires by itself. Until it does a duplicate
         # is retried; after it, a duplicate would run again: say so.

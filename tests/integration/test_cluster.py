@@ -153,8 +153,14 @@ async def test_a_required_start_waits_out_a_cluster_without_quorum(
     cluster.kill(1)
     cluster.kill(2)
 
-    waiting = _Announced("could not start yet")
-    logging.getLogger("celery_nats_leader").addHandler(waiting)
+    waiting = _Announced("starting the leader election failed")
+    # Listen where the retry logs, whatever earlier tests did to logging
+    # (an in-process Celery app may disable or quieten existing loggers).
+    retry_logger = logging.getLogger("celery_nats_leader.backoff")
+    saved = (retry_logger.disabled, retry_logger.level)
+    retry_logger.disabled = False
+    retry_logger.setLevel(logging.WARNING)
+    retry_logger.addHandler(waiting)
     late = Elector(cluster.urls[0], name="late")
     handle = late.add_role(ElectionConfig(role=ROLE, bucket=BUCKET, ttl=TTL, instance_id="late"))
     outcome: list[BaseException | None] = []
@@ -180,6 +186,8 @@ async def test_a_required_start_waits_out_a_cluster_without_quorum(
         # Joined: the role was decided (it leads: the first elector released it).
         assert handle.is_leader
     finally:
-        logging.getLogger("celery_nats_leader").removeHandler(waiting)
+        retry_logger.removeHandler(waiting)
+        retry_logger.disabled, _ = saved
+        retry_logger.setLevel(saved[1])
         starter.join(60)
         late.stop()
