@@ -118,13 +118,18 @@ def _jetstream_refusal(exc: Exception) -> ElectionError:
     )
 
 
+def _is_permission_refusal(exc: nats.js.errors.APIError) -> bool:
+    """Whether a JetStream API error says the account may not do this."""
+    return exc.code == 403 or "permission" in str(exc.description or "").lower()
+
+
 def _bucket_api_error(exc: nats.js.errors.APIError, name: str) -> ElectionError:
     """Translate a JetStream API error answering the opening or creation of a bucket."""
     if isinstance(exc, nats.js.errors.BadBucketError):
         return BucketConfigError(
             f"stream KV_{name} exists but is not a KV bucket ({exc}); use another bucket name"
         )
-    if exc.code == 403 or "permission" in str(exc.description or "").lower():
+    if _is_permission_refusal(exc):
         return PermissionDeniedError(f"JetStream refused: {exc}")
     return BackendError(f"JetStream: {exc}")
 
@@ -528,7 +533,7 @@ class JetStreamBackend:
         except nats.js.errors.APIError as exc:
             if exc.err_code in (_WRONG_LAST_SEQUENCE, _WRONG_LAST_SEQUENCE_CONSTANT):
                 raise RevisionMismatchError(str(exc.description)) from exc
-            if exc.code == 403 or "permission" in str(exc.description or "").lower():
+            if _is_permission_refusal(exc):
                 raise PermissionDeniedError(f"JetStream refused: {exc}") from exc
             raise BackendError(f"JetStream: {exc}") from exc
         except nats.js.errors.NoStreamResponseError as exc:
@@ -727,7 +732,7 @@ class JetStreamBackend:
                 "nats-server with -js (or enable jetstream {} in its configuration)"
             ) from exc
         except nats.js.errors.APIError as exc:
-            if exc.code == 403 or "permission" in str(exc.description or "").lower():
+            if _is_permission_refusal(exc):
                 raise PermissionDeniedError(f"JetStream refused: {exc}") from exc
             raise BackendError(f"JetStream: {exc}") from exc
         except nats.errors.Error as exc:
