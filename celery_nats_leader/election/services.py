@@ -102,13 +102,24 @@ class LeaderContext:
     @property
     def reason(self) -> DemoteReason | None:
         """Why the term ended, once it has (``None`` while leading)."""
-        if self._reason is None and self.stopped and self._election.token is None:
-            from celery_nats_leader.election.base import DemoteReason, ElectionState
+        reason = self._reason
+        if reason is not None or not self.stopped:
+            return reason
+        # The term is over but the election's transition hook has not
+        # recorded why yet (another thread reads this while the loop is
+        # between changing its state and running its hooks). The election
+        # holds the reason from before it changes state until after its
+        # hooks ran, and the hook records it here before the election clears
+        # it: read the election's, then this context's again.
+        reason = self._election._ending_reason or self._reason
+        if reason is not None:
+            return reason
+        from celery_nats_leader.election.base import DemoteReason, ElectionState
 
-            if self._election._state is ElectionState.LEADER:
-                # The lease ran out on the clock before the loop demoted.
-                return DemoteReason.LEASE_EXPIRED
-        return self._reason
+        if self._election.token is None and self._election._state is ElectionState.LEADER:
+            # The lease ran out on the clock before the loop demoted.
+            return DemoteReason.LEASE_EXPIRED
+        return None
 
     @property
     def stopped(self) -> bool:

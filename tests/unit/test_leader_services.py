@@ -224,3 +224,32 @@ async def test_a_late_run_delays_the_next_terms_copy_instead_of_overlapping(
     await a.stop()
     await wait_until(lambda: len(runs.intervals) == 2, 3)
     runs.assert_never_two_at_once()
+
+
+async def test_the_end_of_a_term_has_its_reason_while_the_transition_runs(
+    make: Callable[..., tuple[Election, MemoryBackend]],
+) -> None:
+    # A service thread woken by the lease clock can read ``ctx.reason`` after
+    # the election left LEADER and before the service's own transition hook
+    # recorded why; a hook that runs first sees exactly that window.
+    contexts: list[LeaderContext] = []
+    seen: list[object] = []
+
+    def service(ctx: LeaderContext) -> None:
+        contexts.append(ctx)
+        ctx.wait()
+
+    a, _ = make("a")
+
+    def look(old: object, new: object) -> None:
+        if contexts and old is not new and not a.is_leader:
+            seen.append(contexts[-1].reason)
+
+    a._add_transition_hook(look)  # registered before the service runner's
+    a.run_while_leading(service)
+    await a.start()
+    await wait_until(lambda: bool(contexts))
+    await a.resign()
+    assert seen and seen[-1] is not None
+    assert seen[-1].value == "resigned"
+    assert contexts[-1].reason is not None and contexts[-1].reason.value == "resigned"
