@@ -476,11 +476,14 @@ class Election(BaseElection):
             # entries alive: the order matters only at the front (behind it,
             # candidates campaign a few steps late, still spread out), and N
             # candidates announcing to N would cost N² messages a heartbeat.
-            # A leader never announces: it is not in line.
+            # A leader never announces: it is not in line. Nor does a
+            # candidate sitting out after a resign or a fence: it will not
+            # campaign, and every follower that counted it in front of
+            # itself would wait a step for it on the next hand-over.
             points, rank = self._roster.place(
                 now, leaving=self._leader.id if self._leader is not None else None
             )
-            if points == 0 and rank < c.ANNOUNCED_SUCCESSORS:
+            if points == 0 and rank < c.ANNOUNCED_SUCCESSORS and now >= self._sit_out_until:
                 await self._announce({"here": {"id": cfg.instance_id, "priority": cfg.priority}})
             return
         if now >= resync_at:

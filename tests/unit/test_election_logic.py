@@ -240,6 +240,36 @@ async def test_resign_hands_over_and_sits_out(make: Callable[..., Candidate]) ->
     assert leaders(a, b) == ["b"]
 
 
+async def test_a_resigner_sitting_out_is_not_in_line_for_the_next_hand_over(
+    make: Callable[..., Candidate],
+) -> None:
+    # a resigns, b leads; while a sits out (it will not campaign) it must not
+    # announce itself as first in line, or c would wait a step for it when b
+    # hands over next.
+    # A TTL long enough that the sit-out outlasts an announce point under load.
+    a, b, c = make("a", ttl=3.0), make("b", ttl=3.0), make("c", ttl=3.0)
+    await a.election.start()
+    await b.election.start()
+    await c.election.start()
+    announced: list[dict[str, object]] = []
+    announce = a.election._announce
+
+    async def spy(body: dict[str, object]) -> None:
+        announced.append(body)
+        await announce(body)
+
+    a.election._announce = spy  # type: ignore[method-assign]
+    await a.election.resign()
+    await asyncio.wait_for(b.promoted.wait(), 1)
+    resigned_at = time.monotonic()
+    heartbeat = a.election.config.heartbeat_interval
+    # a's loop passed at least one announce point during its sit-out.
+    await wait_until(lambda: a.election._next_announce_at >= resigned_at + heartbeat * 0.99)
+    assert time.monotonic() < resigned_at + 3.0, "the test outlived a's sit-out"
+    assert [body for body in announced if "here" in body] == []
+    assert c.election._roster.place(time.monotonic(), leaving="b") == (0, 0)
+
+
 async def test_lonely_resigner_takes_the_role_back_after_a_ttl(
     make: Callable[..., Candidate],
 ) -> None:
