@@ -301,6 +301,12 @@ def _beat_is_elected(conf: Any) -> bool:
     help="Include the beat state bucket (automatic when beat_scheduler is a leader scheduler).",
 )
 @click.option(
+    "--once",
+    is_flag=True,
+    help="Include the once-guard's buckets (<once_bucket>_leases and <once_bucket>); "
+    "workers create them on first use where they may.",
+)
+@click.option(
     "--events-max-age",
     type=float,
     default=None,
@@ -319,6 +325,7 @@ def bucket(
     ttl: float | None,
     replicas: int | None,
     beat_state: bool,
+    once: bool,
     events_max_age: float | None,
     as_json: bool,
     timeout: float,
@@ -326,7 +333,8 @@ def bucket(
     """Check, create or delete the elections' KV buckets (and the optional events stream).
 
     The election bucket needs max_age equal to the TTL and history 1; the beat
-    schedule's state bucket needs history 1 and no max_age. --create makes the
+    schedule's state bucket needs history 1 and no max_age; the once-guard's
+    buckets (--once) need max_age equal to once_lease and once_retention. --create makes the
     missing ones with exactly those settings (no `nats` CLI needed) and never
     changes an existing one. Exits 1 when a bucket is missing or does not fit,
     2 when NATS cannot be used.
@@ -340,6 +348,7 @@ def bucket(
             ttl=ttl,
             replicas=replicas,
             beat_state=beat_state or _beat_is_elected(app.conf),
+            once=once,
         )
         for target in wanted:
             validate_bucket(target.name)

@@ -105,8 +105,21 @@ async def delete_bucket(backend: Backend, bucket: str, *, timeout: float = 5.0) 
     return existed
 
 
-#: What a bucket holds: election keys, or the beat schedule's state.
+#: What a bucket holds: election keys, the beat schedule's state, or the
+#: once-guard's leases and done records.
 ELECTION, BEAT_STATE = "election", "beat_state"
+ONCE_LEASES, ONCE_DONE = "once_leases", "once_done"
+
+#: How the commands name each kind of bucket.
+_KIND_NAMES = {
+    ELECTION: "election bucket",
+    BEAT_STATE: "beat state bucket",
+    ONCE_LEASES: "once-guard lease bucket",
+    ONCE_DONE: "once-guard done bucket",
+}
+
+#: The setting a once-guard bucket's ``max_age`` must equal.
+_ONCE_SETTINGS = {ONCE_LEASES: "once_lease", ONCE_DONE: "once_retention"}
 
 #: What an operator command does with the buckets.
 BucketAction = Literal["check", "create", "delete"]
@@ -118,7 +131,8 @@ class BucketTarget:
 
     Attributes:
         name: The bucket.
-        kind: :data:`ELECTION` or :data:`BEAT_STATE`.
+        kind: :data:`ELECTION`, :data:`BEAT_STATE`, :data:`ONCE_LEASES` or
+            :data:`ONCE_DONE`.
         ttl: The ``max_age`` it must have (``None`` for the beat state: none).
         replicas: Replicas when creating it.
         expect_replicas: Replicas an existing one must have (``--replicas``), if any.
@@ -135,6 +149,29 @@ class BucketTarget:
     def persistent(self) -> bool:
         """Whether its data must never expire."""
         return self.kind == BEAT_STATE
+
+    @property
+    def described(self) -> str:
+        """What the commands call it (``election bucket``, ...)."""
+        return _KIND_NAMES[self.kind]
+
+    def problems(self, info: BucketInfo) -> list[str]:
+        """What is wrong with ``info`` for this bucket, each saying what to change."""
+        setting = _ONCE_SETTINGS.get(self.kind)
+        if setting is None:
+            return info.problems(
+                ttl=self.ttl, replicas=self.expect_replicas, persistent=self.persistent
+            )
+        # The once-guard opens its buckets with max_age = its setting and
+        # refuses one that differs: say which setting, not the election TTL.
+        found = info.problems(ttl=None, replicas=self.expect_replicas)
+        if self.ttl is not None and abs(info.ttl - self.ttl) > 0.001:
+            found.insert(
+                0,
+                f"max_age is {info.ttl:g}s but {setting} is {self.ttl:g}s: they must be "
+                f"equal (delete and recreate the bucket, or set {setting} to {info.ttl:g})",
+            )
+        return found
 
 
 @dataclass(frozen=True)
@@ -181,6 +218,7 @@ def bucket_targets(
     ttl: float | None = None,
     replicas: int | None = None,
     beat_state: bool = False,
+    once: bool = False,
 ) -> list[BucketTarget]:
     """The buckets an operator command works on.
 
@@ -191,9 +229,12 @@ def bucket_targets(
         ttl: ``max_age`` to create with and expect (default: the configured TTL).
         replicas: Replicas to create with and, when given, to expect.
         beat_state: Include the beat schedule's state bucket (no ``max_age``).
+        once: Include the once-guard's two buckets (``max_age`` =
+            ``once_lease`` and ``once_retention``).
 
     Returns:
-        The election bucket first, then the beat state bucket if asked for.
+        The election bucket first, then the beat state bucket and the
+        once-guard's buckets if asked for.
 
     """
     create_replicas = replicas if replicas is not None else settings.bucket_replicas
@@ -211,6 +252,20 @@ def bucket_targets(
         found.append(
             BucketTarget(settings.beat_state_bucket, BEAT_STATE, None, create_replicas, replicas)
         )
+    if bucket is None and once:
+        # The names and settings the worker's once-guard opens them with.
+        found += [
+            BucketTarget(
+                f"{settings.once_bucket}_leases",
+                ONCE_LEASES,
+                settings.once_lease,
+                create_replicas,
+                replicas,
+            ),
+            BucketTarget(
+                settings.once_bucket, ONCE_DONE, settings.once_retention, create_replicas, replicas
+            ),
+        ]
     return found
 
 
@@ -249,10 +304,7 @@ async def apply_to_buckets(
                 BucketOutcome(target, None, ["does not exist: run with --create to create it"])
             )
             continue
-        problems = info.problems(
-            ttl=target.ttl, replicas=target.expect_replicas, persistent=target.persistent
-        )
-        found.append(BucketOutcome(target, info, problems))
+        found.append(BucketOutcome(target, info, target.problems(info)))
     return found
 
 
@@ -269,7 +321,7 @@ def outcome_lines(outcome: BucketOutcome, *, create_command: str) -> list[tuple[
 
     """
     target, info = outcome.target, outcome.info
-    what = "election bucket" if target.kind == ELECTION else "beat state bucket"
+    what = target.described
     if outcome.deleted is not None:
         if outcome.deleted:
             return [("heading", f"{what} {target.name!r} deleted")]

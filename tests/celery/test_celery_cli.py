@@ -18,7 +18,10 @@ from click.testing import CliRunner, Result
 
 from celery_nats_leader import ElectionConfig, Elector
 from celery_nats_leader.cli import nats_leader
+from celery_nats_leader.once import OnceGuard, Verdict
+from celery_nats_leader.settings import settings_of_app
 from celery_nats_leader.testing import NatsServer
+from celery_nats_leader.worker.once import OnceService
 
 TTL = 2.0
 
@@ -174,6 +177,49 @@ def test_bucket_with_the_leader_beat_scheduler(app: Celery, bucket: str) -> None
     assert entries["beat_state"]["name"] == f"{bucket}_beat"
     assert entries["beat_state"]["ttl"] == 0  # the schedule's state never expires
     assert cli(app, "bucket", "--delete", "--yes").exit_code == 0
+
+
+def test_bucket_once_creates_what_the_once_guard_opens(app: Celery, bucket: str) -> None:
+    app.conf.nats_leader_once_lease = 12.0
+    created = cli(app, "bucket", "--create", "--once", "--json")
+    assert created.exit_code == 0, created.output
+    entries = {e["kind"]: e for e in json.loads(created.stdout)["buckets"]}
+    assert set(entries) == {"election", "once_leases", "once_done"}
+    assert (entries["once_leases"]["name"], entries["once_leases"]["ttl"]) == (
+        f"{bucket}_once_leases",
+        12.0,
+    )
+    assert (entries["once_done"]["name"], entries["once_done"]["ttl"]) == (
+        f"{bucket}_once",
+        86400.0,
+    )
+    assert all(e["created"] and e["history"] == 1 for e in entries.values())
+
+    # The worker's once-guard opens them as they are (it refuses a bucket
+    # whose max_age differs from its setting) and can claim in them.
+    service = OnceService.for_settings(settings_of_app(app))
+    try:
+
+        async def claim(guard: OnceGuard) -> Verdict:
+            return (await guard.claim("cli-made")).verdict
+
+        assert service.run(claim) is Verdict.RUN
+    finally:
+        service.close()
+
+    # A lease setting that no longer fits the bucket: the check says which
+    # setting and how to fix it.
+    app.conf.nats_leader_once_lease = 5.0
+    checked = cli(app, "bucket", "--once")
+    assert checked.exit_code == 1, checked.output
+    lines = checked.stdout.splitlines()
+    assert f"once-guard lease bucket {bucket + '_once_leases'!r} exists" in lines
+    assert (
+        "  problem: max_age is 12s but once_lease is 5s: they must be equal "
+        "(delete and recreate the bucket, or set once_lease to 12)"
+    ) in lines
+    assert cli(app, "bucket", "--once", "--delete", "--yes").exit_code == 0
+    assert cli(app, "bucket", "--once").exit_code == 1  # all three gone
 
 
 def test_bucket_with_another_ttl_says_how_to_fix_it(app: Celery, bucket: str) -> None:

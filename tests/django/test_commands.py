@@ -359,3 +359,19 @@ def test_bucket_invalid_settings(settings: Any) -> None:
     error, _ = run_failing("election_bucket")
     assert error.returncode == 2
     assert "invalid NATS_LEADER settings" in str(error)
+
+
+def test_bucket_once_guard(nats_leader: Any, bucket: str) -> None:
+    nats_leader(TTL=2, ROLES=["default"], ONCE_LEASE=9)
+    out, _ = run("election_bucket", "--create", "--once", "--json")
+    doc = json.loads(out)
+    assert doc["ok"] is True
+    assert [(b["name"], b["kind"], b["ttl"], b["created"]) for b in doc["buckets"]] == [
+        (bucket, "election", 2.0, True),
+        (f"{bucket}_once_leases", "once_leases", 9.0, True),
+        (f"{bucket}_once", "once_done", 86400.0, True),
+    ]
+    nats_leader(TTL=2, ROLES=["default"], ONCE_LEASE=4)
+    error, out = run_failing("election_bucket", "--once")
+    assert error.returncode == 1
+    assert "max_age is 9s but once_lease is 4s: they must be equal" in out

@@ -106,6 +106,12 @@ class Command(BaseCommand):
             help="Include the beat state bucket (automatic with the leader beat scheduler).",
         )
         parser.add_argument(
+            "--once",
+            action="store_true",
+            help="Include the once-guard's buckets (workers create them on first use "
+            "where they may).",
+        )
+        parser.add_argument(
             "--events-max-age",
             type=float,
             default=None,
@@ -128,6 +134,7 @@ class Command(BaseCommand):
                 ttl=options["ttl"],
                 replicas=options["replicas"],
                 beat_state=bool(options["beat_state"] or conf.beat_is_elected()),
+                once=bool(options["once"]),
             )
             for target in wanted:
                 validate_bucket(target.name)
