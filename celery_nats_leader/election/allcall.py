@@ -301,9 +301,11 @@ class AllcallElection(BaseElection):
         was_leader = self._state is ElectionState.LEADER
         claim = self._own_claim()
         await self._cancel_main()
+        # The reason before the token: a thread that sees the term over
+        # finds why (LeaderContext.reason).
+        self._ending_reason = DemoteReason.STOPPED
         self._token = None
         self._lease_deadline = 0.0
-        self._ending_reason = DemoteReason.STOPPED
         self._set_state(ElectionState.STOPPED)
         if was_leader:
             await self._notify_demoted(DemoteReason.STOPPED)

@@ -214,10 +214,12 @@ class Election(BaseElection):
         revision = self._revision
         await self._cancel_main()
         if was_leader and token is not None:
+            # The reason before the token: a thread that sees the term over
+            # finds why (LeaderContext.reason).
+            self._ending_reason = DemoteReason.STOPPED
             self._token = None
             self._lease_deadline = 0.0
             self._cancel_deadline_timer()
-            self._ending_reason = DemoteReason.STOPPED
             self._set_state(ElectionState.STOPPED)
             await self._notify_demoted(DemoteReason.STOPPED)
             if self.config.release_on_stop:
@@ -816,6 +818,9 @@ class Election(BaseElection):
         """Stop leading at once (state first, callbacks after)."""
         if self._state is not ElectionState.LEADER:
             return
+        # The reason before the token: a thread that sees the term over
+        # finds why (LeaderContext.reason).
+        self._ending_reason = reason
         self._token = None
         self._lease_deadline = 0.0
         self._cancel_deadline_timer()
@@ -823,7 +828,6 @@ class Election(BaseElection):
             # The operator fenced this process because it was stuck: let a
             # live candidate take the role rather than campaign again at once.
             self._sit_out_until = self._clock.monotonic() + self.config.ttl
-        self._ending_reason = reason
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: demoted (%s)", self.role, reason.value)
         self._stop_health_watch()
@@ -977,12 +981,14 @@ class Election(BaseElection):
         if self._state is not ElectionState.LEADER or token is None:
             return
         self._release_reason = None
+        # The reason before the token: a thread that sees the term over
+        # finds why (LeaderContext.reason).
+        self._ending_reason = reason
         self._token = None
         self._lease_deadline = 0.0
         self._cancel_deadline_timer()
         # Sit out one TTL so that someone else takes the role.
         self._sit_out_until = self._clock.monotonic() + self.config.ttl
-        self._ending_reason = reason
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: stepping down (%s)", self.role, reason.value)
         self._stop_health_watch()
@@ -1037,10 +1043,13 @@ class Election(BaseElection):
                 # Introduce ourselves back only if we are preferred over the
                 # newcomer (a broadcast from every member to every newcomer
                 # cost N² messages when N candidates started together).
+                # Not while sitting out: it would put us back in everyone's
+                # line for a term we will not campaign for.
                 if (
                     hello["id"] != self.instance_id
                     and reply is None
                     and self.config.priority > priority
+                    and self._clock.monotonic() >= self._sit_out_until
                 ):
                     await self._announce(
                         {"known": {"id": self.instance_id, "priority": self.config.priority}}

@@ -102,21 +102,23 @@ class LeaderContext:
     @property
     def reason(self) -> DemoteReason | None:
         """Why the term ended, once it has (``None`` while leading)."""
-        reason = self._reason
-        if reason is not None or not self.stopped:
-            return reason
-        # The term is over but the election's transition hook has not
-        # recorded why yet (another thread reads this while the loop is
-        # between changing its state and running its hooks). The election
-        # holds the reason from before it changes state until after its
-        # hooks ran, and the hook records it here before the election clears
-        # it: read the election's, then this context's again.
-        reason = self._election._ending_reason or self._reason
-        if reason is not None:
-            return reason
+        if self._stop.is_set() or not self.stopped:
+            # Told to stop (with its reason, or none when the service is
+            # closed or its scope left), or still leading: final as it is.
+            return self._reason
+        # The term is over but nothing has told this context yet: another
+        # thread reads this while the election's loop is ending the term.
+        # The election sets its reason before it drops the token and clears
+        # it only after its hooks recorded it here (under the lock, with the
+        # stop flag): read the election's, then this context's again.
         from celery_nats_leader.election.base import DemoteReason, ElectionState
 
-        if self._election.token is None and self._election._state is ElectionState.LEADER:
+        election = self._election
+        was_leading = election._state is ElectionState.LEADER
+        reason = election._ending_reason or self._reason
+        if reason is not None:
+            return reason
+        if was_leading and election.token is None:
             # The lease ran out on the clock before the loop demoted.
             return DemoteReason.LEASE_EXPIRED
         return None
