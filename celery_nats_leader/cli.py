@@ -303,8 +303,8 @@ def _beat_is_elected(conf: Any) -> bool:
 @click.option(
     "--once",
     is_flag=True,
-    help="Include the once-guard's buckets (<once_bucket>_leases and <once_bucket>); "
-    "workers create them on first use where they may.",
+    help="Work on the once-guard's buckets instead (<once_bucket>_leases and "
+    "<once_bucket>); workers create them on first use where they may.",
 )
 @click.option(
     "--events-max-age",
@@ -334,7 +334,8 @@ def bucket(
 
     The election bucket needs max_age equal to the TTL and history 1; the beat
     schedule's state bucket needs history 1 and no max_age; the once-guard's
-    buckets (--once) need max_age equal to once_lease and once_retention. --create makes the
+    buckets (--once: those instead) need max_age equal to once_lease and
+    once_retention. --create makes the
     missing ones with exactly those settings (no `nats` CLI needed) and never
     changes an existing one. Exits 1 when a bucket is missing or does not fit,
     2 when NATS cannot be used.
@@ -358,8 +359,11 @@ def bucket(
     if action == "delete" and not yes:
         names = ", ".join(repr(t.name) for t in wanted)
         click.confirm(
-            f"Delete {names}? Every role's record goes (epochs restart at 1, so clear any "
-            "fence that remembers them) and so does the beat schedule's state",
+            f"Delete {names}? The once-guard forgets every finished run (a duplicate "
+            "arriving later runs again)"
+            if once
+            else f"Delete {names}? Every role's record goes (epochs restart at 1, so clear "
+            "any fence that remembers them) and so does the beat schedule's state",
             abort=True,
         )
 

@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from celery_nats_leader.backend import Backend, BucketInfo
-from celery_nats_leader.errors import BucketNotFoundError, ElectionError, JetStreamUnavailableError
+from celery_nats_leader.errors import (
+    BucketNotFoundError,
+    ConfigError,
+    ElectionError,
+    JetStreamUnavailableError,
+)
 from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.settings import LeaderSettings
@@ -117,6 +122,9 @@ _KIND_NAMES = {
     ONCE_LEASES: "once-guard lease bucket",
     ONCE_DONE: "once-guard done bucket",
 }
+
+#: What the create command needs besides its defaults to make each kind.
+_CREATE_FLAGS = {BEAT_STATE: " --beat-state", ONCE_LEASES: " --once", ONCE_DONE: " --once"}
 
 #: The setting a once-guard bucket's ``max_age`` must equal.
 _ONCE_SETTINGS = {ONCE_LEASES: "once_lease", ONCE_DONE: "once_retention"}
@@ -229,15 +237,39 @@ def bucket_targets(
         ttl: ``max_age`` to create with and expect (default: the configured TTL).
         replicas: Replicas to create with and, when given, to expect.
         beat_state: Include the beat schedule's state bucket (no ``max_age``).
-        once: Include the once-guard's two buckets (``max_age`` =
-            ``once_lease`` and ``once_retention``).
+        once: The once-guard's two buckets (``max_age`` = ``once_lease`` and
+            ``once_retention``) instead: they hold tasks' run records, not
+            the elections', so they are checked, created and deleted apart.
 
     Returns:
-        The election bucket first, then the beat state bucket and the
-        once-guard's buckets if asked for.
+        The election bucket first, then the beat state bucket if asked for;
+        with ``once``, the once-guard's lease bucket, then its done bucket.
+
+    Raises:
+        ConfigError: ``once`` with ``bucket`` (the once-guard's buckets are
+            named by the settings).
 
     """
     create_replicas = replicas if replicas is not None else settings.bucket_replicas
+    if once:
+        if bucket is not None:
+            raise ConfigError(
+                "--bucket names an election bucket; the once-guard's buckets come from "
+                "the once_bucket setting (leave out --bucket)"
+            )
+        # The names and settings the worker's once-guard opens them with.
+        return [
+            BucketTarget(
+                f"{settings.once_bucket}_leases",
+                ONCE_LEASES,
+                settings.once_lease,
+                create_replicas,
+                replicas,
+            ),
+            BucketTarget(
+                settings.once_bucket, ONCE_DONE, settings.once_retention, create_replicas, replicas
+            ),
+        ]
     name = bucket or settings.bucket
     found = [
         BucketTarget(
@@ -252,20 +284,6 @@ def bucket_targets(
         found.append(
             BucketTarget(settings.beat_state_bucket, BEAT_STATE, None, create_replicas, replicas)
         )
-    if bucket is None and once:
-        # The names and settings the worker's once-guard opens them with.
-        found += [
-            BucketTarget(
-                f"{settings.once_bucket}_leases",
-                ONCE_LEASES,
-                settings.once_lease,
-                create_replicas,
-                replicas,
-            ),
-            BucketTarget(
-                settings.once_bucket, ONCE_DONE, settings.once_retention, create_replicas, replicas
-            ),
-        ]
     return found
 
 
@@ -329,7 +347,7 @@ def outcome_lines(outcome: BucketOutcome, *, create_command: str) -> list[tuple[
     if info is None:
         return [
             ("error", f"{what} {target.name!r} does not exist"),
-            ("", f"  create it with `{create_command}`"),
+            ("", f"  create it with `{create_command}{_CREATE_FLAGS.get(target.kind, '')}`"),
         ]
     verb = "created" if info.created else "exists"
     lines = [("heading", f"{what} {info.name!r} {verb}")]
@@ -343,7 +361,8 @@ def outcome_lines(outcome: BucketOutcome, *, create_command: str) -> list[tuple[
         lines.append(("", f"  {label:<15}{item}"))
     lines += [("error", f"  problem: {problem}") for problem in outcome.problems]
     if not outcome.problems:
-        lines.append(("success", "  fits the election settings"))
+        settings = "once-guard" if target.kind in _ONCE_SETTINGS else "election"
+        lines.append(("success", f"  fits the {settings} settings"))
     return lines
 
 
@@ -385,6 +404,8 @@ async def probe(settings: LeaderSettings, buckets: Iterable[str], *, timeout: fl
 __all__ = [
     "BEAT_STATE",
     "ELECTION",
+    "ONCE_DONE",
+    "ONCE_LEASES",
     "BucketAction",
     "BucketInfo",
     "BucketOutcome",

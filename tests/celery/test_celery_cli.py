@@ -181,10 +181,15 @@ def test_bucket_with_the_leader_beat_scheduler(app: Celery, bucket: str) -> None
 
 def test_bucket_once_creates_what_the_once_guard_opens(app: Celery, bucket: str) -> None:
     app.conf.nats_leader_once_lease = 12.0
+    missing = cli(app, "bucket", "--once")
+    assert missing.exit_code == 1, missing.output
+    assert "  create it with `celery -A cli nats-leader bucket --create --once`" in (
+        missing.stdout.splitlines()
+    )
     created = cli(app, "bucket", "--create", "--once", "--json")
     assert created.exit_code == 0, created.output
     entries = {e["kind"]: e for e in json.loads(created.stdout)["buckets"]}
-    assert set(entries) == {"election", "once_leases", "once_done"}
+    assert set(entries) == {"once_leases", "once_done"}  # the election's apart
     assert (entries["once_leases"]["name"], entries["once_leases"]["ttl"]) == (
         f"{bucket}_once_leases",
         12.0,
@@ -206,6 +211,10 @@ def test_bucket_once_creates_what_the_once_guard_opens(app: Celery, bucket: str)
         assert service.run(claim) is Verdict.RUN
     finally:
         service.close()
+    # ... in the buckets the command made (had the names differed, the guard
+    # would have created its own and these would still be empty).
+    listed = json.loads(cli(app, "bucket", "--once", "--json").stdout)["buckets"]
+    assert [(e["kind"], e["keys"]) for e in listed] == [("once_leases", 1), ("once_done", 0)]
 
     # A lease setting that no longer fits the bucket: the check says which
     # setting and how to fix it.
@@ -214,12 +223,14 @@ def test_bucket_once_creates_what_the_once_guard_opens(app: Celery, bucket: str)
     assert checked.exit_code == 1, checked.output
     lines = checked.stdout.splitlines()
     assert f"once-guard lease bucket {bucket + '_once_leases'!r} exists" in lines
+    assert "  fits the once-guard settings" in lines  # the done bucket
     assert (
         "  problem: max_age is 12s but once_lease is 5s: they must be equal "
         "(delete and recreate the bucket, or set once_lease to 12)"
     ) in lines
     assert cli(app, "bucket", "--once", "--delete", "--yes").exit_code == 0
-    assert cli(app, "bucket", "--once").exit_code == 1  # all three gone
+    assert cli(app, "bucket", "--once").exit_code == 1  # both gone
+    assert cli(app, "bucket", "--bucket", bucket, "--once").exit_code == 2
 
 
 def test_bucket_with_another_ttl_says_how_to_fix_it(app: Celery, bucket: str) -> None:

@@ -367,7 +367,6 @@ def test_bucket_once_guard(nats_leader: Any, bucket: str) -> None:
     doc = json.loads(out)
     assert doc["ok"] is True
     assert [(b["name"], b["kind"], b["ttl"], b["created"]) for b in doc["buckets"]] == [
-        (bucket, "election", 2.0, True),
         (f"{bucket}_once_leases", "once_leases", 9.0, True),
         (f"{bucket}_once", "once_done", 86400.0, True),
     ]

@@ -108,8 +108,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--once",
             action="store_true",
-            help="Include the once-guard's buckets (workers create them on first use "
-            "where they may).",
+            help="Work on the once-guard's buckets instead (workers create them on first "
+            "use where they may).",
         )
         parser.add_argument(
             "--events-max-age",
