@@ -142,7 +142,12 @@ class BucketInfo:
     created: bool = False
 
     def problems(
-        self, *, ttl: float | None, replicas: int | None = None, persistent: bool = False
+        self,
+        *,
+        ttl: float | None,
+        replicas: int | None = None,
+        persistent: bool = False,
+        setting: str | None = None,
     ) -> list[str]:
         """What is wrong with this bucket for an election with ``ttl`` (empty if nothing).
 
@@ -151,6 +156,8 @@ class BucketInfo:
             replicas: The expected replica count (None: not checked).
             persistent: The bucket holds data that must not expire (the beat
                 schedule's state): it must have no ``max_age``.
+            setting: The setting ``ttl`` comes from when it is not the election
+                TTL (the once-guard's ``once_lease``, ...), named in the advice.
 
         Returns:
             One sentence per problem, each saying what to change.
@@ -166,6 +173,9 @@ class BucketInfo:
             found.append(
                 f"max_age is {self.ttl:g}s but the election ttl is {ttl:g}s: they must be equal "
                 f"(recreate the bucket with --ttl {ttl:g}, or set TTL to {self.ttl:g})"
+                if setting is None
+                else f"max_age is {self.ttl:g}s but {setting} is {ttl:g}s: they must be equal "
+                f"(delete and recreate the bucket, or set {setting} to {self.ttl:g})"
             )
         if self.history != 1:
             found.append(f"history is {self.history}, expected 1 (older values are useless here)")

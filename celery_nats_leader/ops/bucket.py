@@ -165,21 +165,14 @@ class BucketTarget:
 
     def problems(self, info: BucketInfo) -> list[str]:
         """What is wrong with ``info`` for this bucket, each saying what to change."""
-        setting = _ONCE_SETTINGS.get(self.kind)
-        if setting is None:
-            return info.problems(
-                ttl=self.ttl, replicas=self.expect_replicas, persistent=self.persistent
-            )
-        # The once-guard opens its buckets with max_age = its setting and
-        # refuses one that differs: say which setting, not the election TTL.
-        found = info.problems(ttl=None, replicas=self.expect_replicas)
-        if self.ttl is not None and abs(info.ttl - self.ttl) > 0.001:
-            found.insert(
-                0,
-                f"max_age is {info.ttl:g}s but {setting} is {self.ttl:g}s: they must be "
-                f"equal (delete and recreate the bucket, or set {setting} to {info.ttl:g})",
-            )
-        return found
+        # A once-guard bucket's max_age must equal the guard's setting (it
+        # refuses one that differs): the advice names it, not the election TTL.
+        return info.problems(
+            ttl=self.ttl,
+            replicas=self.expect_replicas,
+            persistent=self.persistent,
+            setting=_ONCE_SETTINGS.get(self.kind),
+        )
 
 
 @dataclass(frozen=True)
