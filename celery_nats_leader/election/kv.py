@@ -214,12 +214,7 @@ class Election(BaseElection):
         revision = self._revision
         await self._cancel_main()
         if was_leader and token is not None:
-            # The reason before the token: a thread that sees the term over
-            # finds why (LeaderContext.reason).
-            self._ending_reason = DemoteReason.STOPPED
-            self._token = None
-            self._lease_deadline = 0.0
-            self._cancel_deadline_timer()
+            self._drop_term(DemoteReason.STOPPED)
             self._set_state(ElectionState.STOPPED)
             await self._notify_demoted(DemoteReason.STOPPED)
             if self.config.release_on_stop:
@@ -814,16 +809,22 @@ class Election(BaseElection):
             self._deadline_timer.cancel()
             self._deadline_timer = None
 
-    def _demote(self, reason: DemoteReason) -> None:
-        """Stop leading at once (state first, callbacks after)."""
-        if self._state is not ElectionState.LEADER:
-            return
-        # The reason before the token: a thread that sees the term over
-        # finds why (LeaderContext.reason).
+    def _drop_term(self, reason: DemoteReason) -> None:
+        """Forget our term's token and lease (the caller changes the state).
+
+        The reason is set before the token is dropped: a thread that sees the
+        term over (``LeaderContext.reason``) finds why.
+        """
         self._ending_reason = reason
         self._token = None
         self._lease_deadline = 0.0
         self._cancel_deadline_timer()
+
+    def _demote(self, reason: DemoteReason) -> None:
+        """Stop leading at once (state first, callbacks after)."""
+        if self._state is not ElectionState.LEADER:
+            return
+        self._drop_term(reason)
         if reason is DemoteReason.FENCED:
             # The operator fenced this process because it was stuck: let a
             # live candidate take the role rather than campaign again at once.
@@ -981,12 +982,7 @@ class Election(BaseElection):
         if self._state is not ElectionState.LEADER or token is None:
             return
         self._release_reason = None
-        # The reason before the token: a thread that sees the term over
-        # finds why (LeaderContext.reason).
-        self._ending_reason = reason
-        self._token = None
-        self._lease_deadline = 0.0
-        self._cancel_deadline_timer()
+        self._drop_term(reason)
         # Sit out one TTL so that someone else takes the role.
         self._sit_out_until = self._clock.monotonic() + self.config.ttl
         self._set_state(ElectionState.FOLLOWER)
