@@ -298,8 +298,13 @@ class Soak:
         self.celery_config: dict[str, Any] = {
             "broker_url": options.broker_url,
             # A crashed worker's unacknowledged task comes back after this
-            # (Redis; kombu's default is an hour, longer than a soak).
-            "broker_transport_options": {"visibility_timeout": 10},
+            # (Redis; kombu's default is an hour, longer than a soak), found
+            # by a sweep every second (kombu's default: every 100 s).
+            "broker_transport_options": {
+                "visibility_timeout": 10,
+                "unacked_restore_interval": 1,
+                "unacked_restore_throttle": 1,
+            },
             "default_queue": f"soak-default-{run_id}",
             "nats_url": "",  # set once the cluster runs
             "bucket": self.bucket,
@@ -590,6 +595,11 @@ class Soak:
             with contextlib.closing(sqlite3.connect(str(self.tasks_ledger), timeout=30)) as db:
                 for seq, pid, t in db.execute("SELECT seq, main_pid, t FROM commits"):
                     log.emit("run", t=t, task=str(seq), worker=self.names.get(pid, pid))
+                for seq, pid, t in db.execute(
+                    "SELECT info, main_pid, t FROM events WHERE kind = 'received' AND name = ?",
+                    ("cnl.record",),
+                ):
+                    log.emit("received", t=t, task=seq, worker=self.names.get(pid, pid))
                 for event, role, pid, epoch, reason, t in db.execute(
                     "SELECT event, role, main_pid, epoch, reason, t FROM terms"
                 ):
@@ -964,7 +974,13 @@ class Soak:
             for e in events
             if e.kind == "fault" and e.get("fault") == "sigkill" and e.get("target") in beat_names
         )
-        report = check(events, ttl=opts.ttl, loss_window_ticks=window)
+        report = check(
+            events,
+            ttl=opts.ttl,
+            loss_window_ticks=window,
+            # kombu's Redis transport pops a message before recording it.
+            broker_pop_window=bool(opts.workers) and opts.broker_url.startswith("redis"),
+        )
         for error in self._errors:
             logger.warning("soak: %s", error)
         return report

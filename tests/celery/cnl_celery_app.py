@@ -207,7 +207,15 @@ def _connect_recorders(ledger: Ledger) -> None:
     @task_received.connect(weak=False)
     def on_received(request: Any, **kwargs: Any) -> None:
         # In the worker's main process, when a message becomes a reserved request.
-        ledger.event("received", name=request.name, task_id=request.id, main_pid=MAIN_PID)
+        # ``info``: the task's ``seq`` (what the soak's checker names tasks by).
+        args = request.args
+        ledger.event(
+            "received",
+            name=request.name,
+            task_id=request.id,
+            main_pid=MAIN_PID,
+            info=str(args[0]) if args else "",
+        )
 
     @task_prerun.connect(weak=False)
     def on_prerun(
