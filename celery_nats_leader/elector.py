@@ -37,6 +37,7 @@ from celery_nats_leader.election.services import LeaderServiceRunner, ServiceFun
 from celery_nats_leader.errors import (
     ConfigError,
     ElectionError,
+    ElectionStoppedError,
     NatsUnavailableError,
     is_transient,
 )
@@ -52,6 +53,8 @@ logger = logging.getLogger(__name__)
 _PERMANENT_RETRY = 30.0
 #: Seconds between two warnings that the election is still not running.
 _REPEAT_INTERVAL = 30.0
+#: What a required start() raises when stop() came first.
+_STOPPED_WHILE_STARTING = "the leader election was stopped (stop()) before it started"
 
 
 def _duration(seconds: float) -> str:
@@ -337,6 +340,8 @@ class Elector(ConnectionListener):
             NatsUnavailableError: No connection within ``timeout`` (only with
                 ``require_connection``).
             ElectionError: A permanent problem (missing bucket, no JetStream, ...).
+            ElectionStoppedError: :meth:`stop` was called (from another
+                thread) before the start succeeded.
 
         """
         if self._started:
@@ -344,16 +349,23 @@ class Elector(ConnectionListener):
         self.loop.start()
         self._started = True
         if require_connection:
+
+            def attempt(remaining: float) -> None:
+                if not self._started:
+                    # stop() came from another thread while this one waited
+                    # to retry: the loop is gone, there is nothing to start.
+                    raise ElectionStoppedError(_STOPPED_WHILE_STARTING)
+                self.loop.run(self._connect_and_start_roles(remaining), remaining + 30)
+
             try:
-                retry_transient(
-                    lambda remaining: self.loop.run(
-                        self._connect_and_start_roles(remaining), remaining + 30
-                    ),
-                    timeout=timeout,
-                    what="starting the leader election",
-                )
-            except BaseException:
+                retry_transient(attempt, timeout=timeout, what="starting the leader election")
+            except BaseException as exc:
+                stopped = not self._started
                 self.stop()
+                if stopped and not isinstance(exc, ElectionStoppedError):
+                    # The loop stopped under a running attempt (its task was
+                    # cancelled): say that, not what the cancellation looked like.
+                    raise ElectionStoppedError(_STOPPED_WHILE_STARTING) from exc
                 raise
             return
         self._connector = self.loop.run(self._spawn_connector(timeout), timeout)

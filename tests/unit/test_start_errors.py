@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import nats.errors
 import nats.js.errors
 import pytest
 
 from celery_nats_leader.backoff import retry_transient
+from celery_nats_leader.elector import Elector
 from celery_nats_leader.errors import (
     BackendError,
     BackendTimeoutError,
     BucketConfigError,
     BucketNotFoundError,
     ElectionError,
+    ElectionStoppedError,
     JetStreamUnavailableError,
     NatsUnavailableError,
     NotConnectedError,
@@ -128,3 +133,23 @@ def test_retry_transient_gives_up_at_the_deadline() -> None:
         retry_transient(down, timeout=0.3, what="test")
     # 50, 100, ~200 ms of backoff: the deadline stops it after a few attempts.
     assert 2 <= calls <= 4
+
+
+def test_stop_from_another_thread_ends_a_required_start_that_is_retrying() -> None:
+    failed = threading.Event()
+
+    def unreachable() -> Any:
+        failed.set()
+        raise NatsUnavailableError("no server")
+
+    elector = Elector(backend_factory=unreachable)
+    stopper = threading.Thread(target=lambda: (failed.wait(10), elector.stop()))
+    stopper.start()
+    try:
+        # Without the stop it would retry for 30 s; with it, it ends saying why.
+        with pytest.raises(ElectionStoppedError, match="stopped"):
+            elector.start(timeout=30.0)
+    finally:
+        stopper.join(10)
+    assert failed.is_set()
+    assert not elector.loop.is_running
