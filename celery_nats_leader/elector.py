@@ -359,7 +359,7 @@ class Elector(ConnectionListener):
 
             try:
                 retry_transient(attempt, timeout=timeout, what="starting the leader election")
-            except BaseException as exc:
+            except Exception as exc:
                 stopped = not self._started
                 self.stop()
                 if stopped and not isinstance(exc, ElectionStoppedError):
@@ -367,6 +367,12 @@ class Elector(ConnectionListener):
                     # cancelled): say that, not what the cancellation looked like.
                     raise ElectionStoppedError(_STOPPED_WHILE_STARTING) from exc
                 raise
+            except BaseException:
+                self.stop()
+                raise
+            if not self._started:
+                # The start succeeded while stop() ran: the roles are stopped.
+                raise ElectionStoppedError(_STOPPED_WHILE_STARTING)
             return
         self._connector = self.loop.run(self._spawn_connector(timeout), timeout)
 

@@ -22,6 +22,7 @@ fence_reset    the operator cleared every fence (the bucket was recreated)
 tick           beat dispatched a tick (``tick``: the tick's identity)
 sent           a leader-only task was sent (``task``)
 received       a worker took a task's message from the broker (``task``, ``worker``)
+left           at the end, a task's message is still in the broker (``task``, ``where``)
 run            a task ran (``task``, and ``tick`` for a tick's task)
 ============== ==================================================================
 
@@ -341,10 +342,11 @@ def check(
         drain_until: Tasks sent after this time are not required to have run.
         broker_pop_window: The task broker hands a message over before it
             records it as unacknowledged (kombu's Redis transport): a worker
-            killed in between loses that one message. A lost task no worker
-            ever received is then counted apart, at most one per killed
-            worker and only for a kill after it was sent; any other loss is
-            still a violation.
+            killed in between loses that one message. A lost task that no
+            worker ever received and that was not ``left`` in the broker is
+            then counted apart, at most one per kill of a worker reading the
+            leader queue (see :func:`_leader_queue_kills`) after the task was
+            sent; any other loss is still a violation.
 
     Returns:
         The report.
@@ -496,6 +498,7 @@ def _check_tasks(
     sent: dict[str, float] = {}
     runs: Counter[str] = Counter()
     received: set[str] = set()
+    left: set[str] = set()
     consumers: set[str] = set()
     for e in events:
         task = e.get("task")
@@ -508,6 +511,8 @@ def _check_tasks(
         elif e.kind == "received":
             received.add(str(task))
             consumers.add(str(e.get("worker")))
+        elif e.kind == "left":
+            left.add(str(task))
     if not sent:
         return {}
     due = {t: at for t, at in sent.items() if drain_until is None or at <= drain_until}
@@ -516,12 +521,13 @@ def _check_tasks(
     if broker_pop_window:
         # A killed worker's pending read may have taken one message off the
         # queue that it never recorded: that message was sent before the
-        # kill and never reached any worker. Each kill explains one loss.
-        kills = sorted(e.t for e in events if e.kind == "killed" and e.proc in consumers)
+        # kill, never reached any worker and is not left in the broker. Each
+        # kill explains one loss, if the worker was reading the leader queue.
+        kills = _leader_queue_kills(events, consumers)
         unexplained = []
         for task in lost:
             kill = next((k for k in kills if k >= due[task]), None)
-            if task in received or kill is None:
+            if task in received or task in left or kill is None:
                 unexplained.append(task)
                 continue
             kills.remove(kill)
@@ -532,7 +538,12 @@ def _check_tasks(
             Violation(
                 "task lost",
                 min(due[t] for t in lost),
-                f"{len(lost)} leader-only task(s) never ran: {', '.join(lost[:10])}",
+                f"{len(lost)} leader-only task(s) never ran: {', '.join(lost[:10])}"
+                + (
+                    f" (still in the broker: {', '.join(sorted(left & set(lost))[:10])})"
+                    if left & set(lost)
+                    else ""
+                ),
             )
         )
     found = {
@@ -544,6 +555,34 @@ def _check_tasks(
     if broker_pop_window:
         found["lost in the broker's pop window"] = len(popped)
     return found
+
+
+#: Seconds a worker's pending read may still include the leader queue after
+#: its demotion: kombu's read ends within ``polling_interval`` (1 s by
+#: default); doubled for a busy machine.
+LEADER_READ_AFTER_DEMOTE = 2.0
+
+
+def _leader_queue_kills(events: Sequence[Event], consumers: set[str]) -> list[float]:
+    """When a worker reading the leader queue was killed, before the run's ``done``.
+
+    A worker reads the leader queue while it leads, and for one pending read
+    after its demotion. Kills after ``done`` (a worker stuck in its shutdown)
+    explain nothing.
+    """
+    done = next((e.t for e in events if e.kind == "done"), math.inf)
+    last: dict[str, tuple[str, float]] = {}  # worker -> (promote|demote, t)
+    kills = []
+    for e in events:
+        if e.proc not in consumers:
+            continue
+        if e.kind in ("promote", "demote"):
+            last[e.proc] = (e.kind, e.t)
+        elif e.kind == "killed" and e.t <= done and e.proc in last:
+            kind, at = last[e.proc]
+            if kind == "promote" or e.t - at <= LEADER_READ_AFTER_DEMOTE:
+                kills.append(e.t)
+    return kills
 
 
 def _fault_outcomes(

@@ -304,6 +304,9 @@ class Soak:
                 "visibility_timeout": 10,
                 "unacked_restore_interval": 1,
                 "unacked_restore_throttle": 1,
+                # A worker killed during its sweep leaves kombu's sweep lock
+                # behind: it expires after this (kombu's default: 300 s).
+                "unacked_mutex_expire": 10,
             },
             "default_queue": f"soak-default-{run_id}",
             "nats_url": "",  # set once the cluster runs
@@ -599,7 +602,7 @@ class Soak:
                     "SELECT info, main_pid, t FROM events WHERE kind = 'received' AND name = ?",
                     ("cnl.record",),
                 ):
-                    log.emit("received", t=t, task=seq, worker=self.names.get(pid, pid))
+                    log.emit("received", t=t, task=seq, worker=self.names.get(pid, f"w{pid}"))
                 for event, role, pid, epoch, reason, t in db.execute(
                     "SELECT event, role, main_pid, epoch, reason, t FROM terms"
                 ):
@@ -613,8 +616,46 @@ class Soak:
                         reason=reason,
                         lease=lease,
                     )
+            for seq, where in self._left_in_broker():
+                log.emit("left", task=seq, where=where)
         finally:
             log.close()
+
+    @property
+    def _tasks_on_redis(self) -> bool:
+        return self.options.broker_url.startswith("redis")
+
+    def _left_in_broker(self) -> list[tuple[str, str]]:
+        """Leader-only tasks still waiting in the leader queue or held unacknowledged (Redis).
+
+        Such a task was not lost in the broker's pop window: the checker
+        never counts it there.
+        """
+        if not self._tasks_on_redis:
+            return []
+        import base64
+
+        import redis
+
+        queue = self.celery_config["queue_prefix"] + self.task_role
+        client = redis.Redis.from_url(self.options.broker_url)
+        try:
+            # kombu's Redis layout: the queue is a list of messages, the
+            # unacknowledged ones a hash of [message, exchange, routing key].
+            waiting = [("queue", json.loads(raw)) for raw in client.lrange(queue, 0, -1)]
+            for raw in client.hvals("unacked"):
+                message, _exchange, routing_key = json.loads(raw)
+                if routing_key == queue:
+                    waiting.append(("unacked", message))
+        finally:
+            client.close()
+        left = []
+        for where, message in waiting:
+            if message.get("headers", {}).get("task") != "cnl.record":
+                continue
+            args = json.loads(base64.b64decode(message["body"]))[0]
+            left.append((str(args[0]), where))
+        return left
 
     # --------------------------------------------------------- process faults
 
@@ -979,7 +1020,7 @@ class Soak:
             ttl=opts.ttl,
             loss_window_ticks=window,
             # kombu's Redis transport pops a message before recording it.
-            broker_pop_window=bool(opts.workers) and opts.broker_url.startswith("redis"),
+            broker_pop_window=bool(opts.workers) and self._tasks_on_redis,
         )
         for error in self._errors:
             logger.warning("soak: %s", error)

@@ -2,16 +2,19 @@
 
 kombu's Redis transport takes a message off the queue (``BRPOP``) before it
 records it as unacknowledged; a worker killed in between loses that message
-(docs/workers.md, "Broker notes"). A paused worker widens that window to the
-whole pause: its pending ``BRPOP`` still takes the next message, which waits in
-the stopped process's socket. The soak's checker counts such a loss apart, at
-most one per killed worker (``celery_nats_leader.testing.checker``); this test
-shows the window on the real brokers: on Redis the message is then nowhere,
-on RabbitMQ the broker gives it to the next leader, which runs it.
+(docs/workers.md, "Broker notes"). A paused worker widens that window to
+what is left of its pending read (up to ``polling_interval``, the read's
+server-side timeout): the read still takes a message that arrives meanwhile,
+and the message waits in the stopped process's socket. The soak's checker
+counts such a loss apart, at most one per killed leader
+(``celery_nats_leader.testing.checker``); this test shows the window on the
+real brokers: on Redis the message is then nowhere, on RabbitMQ the broker
+gives it to the next leader, which runs it.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
@@ -21,14 +24,16 @@ from cnl_celery_harness import Broker, Cluster, wait_for
 pytestmark = [pytest.mark.celery, pytest.mark.integration]
 
 
-def blocked_reads(broker: Broker) -> int:
-    """Redis clients blocked in a ``BRPOP`` now (the test's only consumer is the leader)."""
+def blocked_reads(broker: Broker, client_name: str) -> int:
+    """Clients named ``client_name`` blocked in a ``BRPOP`` now."""
     client = redis.Redis.from_url(broker.url)
     try:
         return sum(
             1
             for entry in client.client_list(_type="normal")
-            if entry.get("cmd") == "brpop" and "b" in entry.get("flags", "")
+            if entry.get("name") == client_name
+            and entry.get("cmd") == "brpop"
+            and "b" in entry.get("flags", "")
         )
     finally:
         client.close()
@@ -47,7 +52,15 @@ def unacknowledged(broker: Broker) -> int:
 def test_a_leader_killed_holding_a_message_it_had_not_recorded(
     cluster_factory: Any, broker: Broker
 ) -> None:
-    cluster: Cluster = cluster_factory(ttl=2.0)
+    client_name = f"cnl-pop-window-{uuid.uuid4().hex[:8]}"
+    if broker.kind == "redis":
+        # A read that stays pending through the pause (10 s instead of 1 s),
+        # on connections this test can tell from any other client's.
+        options = {**broker.transport_options, "polling_interval": 10, "client_name": client_name}
+    else:
+        # The send returns once RabbitMQ has the message.
+        options = {**broker.transport_options, "confirm_publish": True}
+    cluster: Cluster = cluster_factory(ttl=2.0, broker_transport_options=options)
     ledger = cluster.ledger
     queue = cluster.leader_queue()
     first = cluster.start_worker("w1", pool="threads", concurrency=1)
@@ -56,20 +69,21 @@ def test_a_leader_killed_holding_a_message_it_had_not_recorded(
     wait_for(lambda: ledger.committed() == 1, 30, "the leader's first task", cluster.diagnostics)
     if broker.kind == "redis":
         # Paused while its BRPOP (on its queues, the leader queue among them)
-        # is pending. Each read ends after polling_interval (1 s) and the next
+        # is pending. Each read ends after polling_interval and the next
         # starts at once; a pause in between leaves no read pending, so look
         # again after the pause.
         while True:
-            wait_for(lambda: blocked_reads(broker) == 1, 30, "the leader's next read")
+            wait_for(lambda: blocked_reads(broker, client_name) == 1, 30, "the leader's next read")
             first.pause()
-            if blocked_reads(broker) == 1:
+            if blocked_reads(broker, client_name) == 1:
                 break
             first.resume()
     else:
         first.pause()
     cluster.send("cnl.record", 1)
     # The paused leader's pending read (Redis) or its prefetch (RabbitMQ)
-    # takes the message off the queue.
+    # takes the message off the queue (the send returned once the broker had
+    # it: Redis's LPUSH is a reply, RabbitMQ confirms).
     wait_for(lambda: broker.ready_messages(queue) == 0, 30, "the message to leave the queue")
     first.kill()
     first.wait()

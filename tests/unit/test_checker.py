@@ -151,39 +151,50 @@ def test_a_lost_leader_only_task_is_caught() -> None:
 def test_a_task_popped_by_a_killed_worker_is_the_broker_window_and_nothing_else() -> None:
     # kombu's Redis transport takes a message off the queue before recording
     # it as unacknowledged: a worker killed in between loses it. Only a task
-    # no worker received, sent before a worker's kill, one per kill, is that.
+    # no worker received and none left in the broker, sent before the kill of
+    # a worker reading the leader queue, one per kill, is that.
     events = [
+        ev(0.5, "w1", "promote", role="tasks", epoch=1),
         ev(1.0, "sender", "sent", task="a"),
         ev(1.1, "tasks", "received", task="a", worker="w1"),
         ev(1.2, "tasks", "run", task="a", worker="w1"),
+        ev(1.3, "tasks", "received", task="x", worker="w3"),  # w3: a worker, never leads
         ev(2.0, "sender", "sent", task="popped"),
         ev(2.0, "sender", "sent", task="second"),
         ev(2.0, "sender", "sent", task="third"),
+        ev(2.0, "sender", "sent", task="queued"),
+        ev(2.05, "w3", "killed"),  # a follower: not reading the leader queue
         ev(2.1, "w1", "killed"),
+        ev(2.5, "w2", "promote", role="tasks", epoch=2),
         ev(3.0, "sender", "sent", task="received"),
         ev(3.1, "tasks", "received", task="received", worker="w2"),
-        ev(3.2, "w2", "killed"),
+        ev(3.15, "w2", "demote", role="tasks", reason="lease_expired"),
+        ev(3.2, "w2", "killed"),  # demoted 50 ms ago: its read may still be pending
         ev(4.0, "sender", "sent", task="after"),
         ev(4.5, "c1", "killed"),  # not a worker
+        ev(5.0, "chaos", "done"),
+        ev(6.0, "tasks", "left", task="queued", where="queue"),
+        ev(7.0, "w2", "promote", role="tasks", epoch=3),
+        ev(8.0, "w2", "killed"),  # after the run: explains nothing
     ]
     report = check(events, ttl=TTL, broker_pop_window=True)
     assert [v.kind for v in report.violations] == ["task lost"]
     # Two kills explain two messages ("popped", "second"), not a third; a
-    # received task was recorded by the broker (its loss would be ours); no
-    # worker was killed after "after" was sent.
-    assert "3 leader-only task(s) never ran: third, received, after" in (
-        report.violations[0].detail
-    )
+    # received task and one left in the queue are not the window; no worker
+    # reading the leader queue was killed after "after" was sent.
+    detail = report.violations[0].detail
+    assert "4 leader-only task(s) never ran: third, queued, received, after" in detail
+    assert "(still in the broker: queued)" in detail
     assert report.tasks == {
-        "sent": 6,
+        "sent": 7,
         "ran": 1,
         "twice": 0,
-        "lost": 3,
+        "lost": 4,
         "lost in the broker's pop window": 2,
     }
     # Without the window (RabbitMQ) every loss is a violation.
     strict = check(events, ttl=TTL)
-    assert strict.tasks["lost"] == 5
+    assert strict.tasks["lost"] == 6
     assert "lost in the broker's pop window" not in strict.tasks
 
 
