@@ -7,14 +7,23 @@
   subject.
 * TLS with ``verify: true`` and certificates generated here (openssl): a
   client with its certificate leads; one without is refused at connect time.
+* NKeys, and JWT-based accounts (operator mode) with a user's ``.creds``
+  file: the user leads; one signed by an account the server does not trust
+  is refused.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
+import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -140,8 +149,6 @@ async def test_a_user_without_the_kv_permission_gets_a_clear_error(secured: Nats
 
 def test_nkey_user(tmp_path: Path) -> None:
     """A user authenticated by an NKey (a signed nonce; no secret crosses the wire)."""
-    import os
-
     import nkeys
 
     seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
@@ -151,19 +158,114 @@ def test_nkey_user(tmp_path: Path) -> None:
     (tmp_path / "stranger.nk").write_bytes(other)
     (tmp_path / "nkeys.conf").write_text(f'authorization {{ users: [ {{nkey: "{public}"}} ] }}\n')
     with NatsServer(extra_args=["-c", str(tmp_path / "nkeys.conf")]) as server:
-        seed_file = str(tmp_path / "user.nk")
-        with Elector(server.url, connect_options={"nkeys_seed": seed_file}) as elector:
-            handle = elector.add_role(ElectionConfig(role=ROLE, ttl=TTL, create_bucket=True))
-            assert handle.wait_for_leadership(TTL + 1)
-        stranger = Elector(
-            server.url, connect_options={"nkeys_seed": str(tmp_path / "stranger.nk")}
+        leads_and_stranger_is_refused(
+            server,
+            member={"nkeys_seed": str(tmp_path / "user.nk")},
+            stranger={"nkeys_seed": str(tmp_path / "stranger.nk")},
         )
-        stranger.add_role(ElectionConfig(role=ROLE, ttl=TTL))
-        try:
-            with pytest.raises(NatsUnavailableError, match="could not connect"):
-                stranger.start(timeout=3)
-        finally:
-            stranger.stop()
+
+
+def leads_and_stranger_is_refused(
+    server: NatsServer, *, member: dict[str, Any], stranger: dict[str, Any]
+) -> None:
+    """The member's credentials elect and lead; the stranger's are refused at connect time."""
+    with Elector(server.url, connect_options=member) as elector:
+        handle = elector.add_role(ElectionConfig(role=ROLE, ttl=TTL, create_bucket=True))
+        assert handle.wait_for_leadership(TTL + 1)
+        assert handle.token is not None and handle.token.epoch == 1
+    refused = Elector(server.url, connect_options=stranger)
+    refused.add_role(ElectionConfig(role=ROLE, ttl=TTL))
+    try:
+        with pytest.raises(NatsUnavailableError, match="could not connect"):
+            refused.start(timeout=3)
+    finally:
+        refused.stop()
+
+
+# ---------------------------------------------------------------------- JWT
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _jwt(signer: Any, subject: Any, name: str, claims: dict[str, Any]) -> str:
+    """A NATS JWT (v2) about ``subject``, signed by ``signer`` (what ``nsc`` writes)."""
+    body: dict[str, Any] = {
+        "iat": int(time.time()),
+        "iss": signer.public_key.decode(),
+        "name": name,
+        "sub": subject.public_key.decode(),
+        "nats": {**claims, "version": 2},
+    }
+    body["jti"] = _b64(hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest())
+    head = _b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
+    payload = _b64(json.dumps(body).encode())
+    return f"{head}.{payload}.{_b64(signer.sign(f'{head}.{payload}'.encode()))}"
+
+
+def _keypair(prefix: int) -> tuple[bytes, Any]:
+    import nkeys
+
+    seed = nkeys.encode_seed(os.urandom(32), prefix)
+    return seed, nkeys.from_seed(bytearray(seed))
+
+
+def _creds(path: Path, account: Any, name: str) -> Path:
+    """A user of ``account`` as a ``.creds`` file (its JWT and its NKey seed)."""
+    import nkeys
+
+    seed, user = _keypair(nkeys.PREFIX_BYTE_USER)
+    claims = {"type": "user", "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1}
+    path.write_text(
+        "-----BEGIN NATS USER JWT-----\n"
+        f"{_jwt(account, user, name, claims)}\n"
+        "------END NATS USER JWT------\n\n"
+        "-----BEGIN USER NKEY SEED-----\n"
+        f"{seed.decode()}\n"
+        "------END USER NKEY SEED------\n"
+    )
+    return path
+
+
+def test_jwt_user_credentials(tmp_path: Path) -> None:
+    """A ``.creds`` user of a JWT-based account (operator mode), and one the server does not trust.
+
+    The server trusts an operator; the account (with JetStream) and the
+    user are JWTs signed down that chain, as ``nsc`` makes them.
+    """
+    import nkeys
+
+    _, operator = _keypair(nkeys.PREFIX_BYTE_OPERATOR)
+    _, account = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    _, system = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    _, unknown = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    unlimited = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1}
+    unlimited |= {"wildcards": True, "conn": -1, "leaf": -1}
+    jetstream = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
+    system_key = system.public_key.decode()
+    operator_jwt = _jwt(
+        operator, operator, "op", {"type": "operator", "system_account": system_key}
+    )
+    accounts = {
+        account.public_key.decode(): _jwt(
+            operator, account, "app", {"type": "account", "limits": unlimited | jetstream}
+        ),
+        system_key: _jwt(operator, system, "SYS", {"type": "account", "limits": unlimited}),
+    }
+    preload = "\n".join(f'  {key}: "{token}"' for key, token in accounts.items())
+    (tmp_path / "operator.conf").write_text(
+        f'operator: "{operator_jwt}"\nsystem_account: {system_key}\n'
+        f"resolver: MEMORY\nresolver_preload: {{\n{preload}\n}}\n"
+    )
+    worker = _creds(tmp_path / "worker.creds", account, "worker")
+    stranger_creds = _creds(tmp_path / "stranger.creds", unknown, "stranger")
+    with NatsServer(extra_args=["-c", str(tmp_path / "operator.conf")]) as server:
+        leads_and_stranger_is_refused(
+            server,
+            member={"user_credentials": str(worker)},
+            stranger={"user_credentials": str(stranger_creds)},
+        )
 
 
 # ---------------------------------------------------------------------- TLS
