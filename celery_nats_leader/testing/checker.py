@@ -534,16 +534,13 @@ def _check_tasks(
             popped.append(task)
         lost = unexplained
     if lost:
+        still = sorted(left.intersection(lost))
         violations.append(
             Violation(
                 "task lost",
                 min(due[t] for t in lost),
                 f"{len(lost)} leader-only task(s) never ran: {', '.join(lost[:10])}"
-                + (
-                    f" (still in the broker: {', '.join(sorted(left & set(lost))[:10])})"
-                    if left & set(lost)
-                    else ""
-                ),
+                + (f" (still in the broker: {', '.join(still[:10])})" if still else ""),
             )
         )
     found = {

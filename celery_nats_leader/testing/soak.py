@@ -597,12 +597,12 @@ class Soak:
         try:
             with contextlib.closing(sqlite3.connect(str(self.tasks_ledger), timeout=30)) as db:
                 for seq, pid, t in db.execute("SELECT seq, main_pid, t FROM commits"):
-                    log.emit("run", t=t, task=str(seq), worker=self.names.get(pid, pid))
+                    log.emit("run", t=t, task=str(seq), worker=self._name_of(pid))
                 for seq, pid, t in db.execute(
                     "SELECT info, main_pid, t FROM events WHERE kind = 'received' AND name = ?",
                     ("cnl.record",),
                 ):
-                    log.emit("received", t=t, task=seq, worker=self.names.get(pid, f"w{pid}"))
+                    log.emit("received", t=t, task=seq, worker=self._name_of(pid))
                 for event, role, pid, epoch, reason, t in db.execute(
                     "SELECT event, role, main_pid, epoch, reason, t FROM terms"
                 ):
@@ -610,7 +610,7 @@ class Soak:
                     log.emit(
                         kind,
                         t=t,
-                        proc=self.names.get(pid, f"w{pid}"),
+                        proc=self._name_of(pid),
                         role=role,
                         epoch=epoch,
                         reason=reason,
@@ -620,6 +620,10 @@ class Soak:
                 log.emit("left", task=seq, where=where)
         finally:
             log.close()
+
+    def _name_of(self, pid: int) -> str:
+        """The soak's name of the process ``pid`` recorded in a ledger (``w<pid>`` if unknown)."""
+        return self.names.get(pid, f"w{pid}")
 
     @property
     def _tasks_on_redis(self) -> bool:

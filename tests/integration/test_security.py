@@ -135,11 +135,31 @@ async def test_a_user_without_the_kv_permission_gets_a_clear_error(secured: Nats
     await admin.nc.close()
     # The viewer may read the bucket but not write it: as a candidate, its
     # first campaign is refused, and the election stops with the reason.
-    elector = Elector(secured.url, connect_options={"user": "viewer", "password": "v-pw-1"})
-    elector.add_role(ElectionConfig(role=ROLE, bucket=BUCKET, ttl=TTL, request_timeout=0.4))
+    start_is_refused(
+        secured.url,
+        {"user": "viewer", "password": "v-pw-1"},
+        PermissionDeniedError,
+        "NATS refused",
+        timeout=10,
+        role=ElectionConfig(role=ROLE, bucket=BUCKET, ttl=TTL, request_timeout=0.4),
+    )
+
+
+def start_is_refused(
+    url: str,
+    connect_options: dict[str, Any],
+    error: type[Exception],
+    match: str,
+    *,
+    timeout: float = 3,
+    role: ElectionConfig | None = None,
+) -> None:
+    """An elector with ``connect_options`` fails to start with ``error`` (message ``match``)."""
+    elector = Elector(url, connect_options=connect_options)
+    elector.add_role(role or ElectionConfig(role=ROLE, ttl=TTL))
     try:
-        with pytest.raises(PermissionDeniedError, match="NATS refused"):
-            elector.start(timeout=10)
+        with pytest.raises(error, match=match):
+            elector.start(timeout=timeout)
     finally:
         elector.stop()
 
@@ -173,13 +193,7 @@ def leads_and_stranger_is_refused(
         handle = elector.add_role(ElectionConfig(role=ROLE, ttl=TTL, create_bucket=True))
         assert handle.wait_for_leadership(TTL + 1)
         assert handle.token is not None and handle.token.epoch == 1
-    refused = Elector(server.url, connect_options=stranger)
-    refused.add_role(ElectionConfig(role=ROLE, ttl=TTL))
-    try:
-        with pytest.raises(NatsUnavailableError, match="could not connect"):
-            refused.start(timeout=3)
-    finally:
-        refused.stop()
+    start_is_refused(server.url, stranger, NatsUnavailableError, "could not connect")
 
 
 # ---------------------------------------------------------------------- JWT
@@ -325,10 +339,9 @@ def test_tls_with_a_client_certificate(tls_server: NatsServer, certs: Path) -> N
         assert handle.validate_token()
 
     # Trusting the server is not enough: the server wants the client's certificate.
-    no_cert = Elector(url, connect_options={"tls": {"ca_file": str(certs / "ca.pem")}})
-    no_cert.add_role(ElectionConfig(role=ROLE, ttl=TTL))
-    try:
-        with pytest.raises(NatsUnavailableError, match="could not connect"):
-            no_cert.start(timeout=3)
-    finally:
-        no_cert.stop()
+    start_is_refused(
+        url,
+        {"tls": {"ca_file": str(certs / "ca.pem")}},
+        NatsUnavailableError,
+        "could not connect",
+    )
