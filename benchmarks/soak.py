@@ -8,7 +8,7 @@ One command::
 
 It runs a 3-node NATS cluster with an R3 bucket, 5 candidates campaigning for
 two roles and writing through a file fence and (when PostgreSQL answers) the
-Django fence, injects the faults of :mod:`celery_nats_leader.testing.soak`,
+Django fence, injects the faults of :mod:`tests.chaos.soak`,
 then prints the checker's table. The exit status is 1 on any violation.
 Events and logs stay in the printed directory.
 """
@@ -25,8 +25,11 @@ import sys
 import time
 from pathlib import Path
 
+# The chaos harness lives in the test suite (tests/chaos), importable from the repository root.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from celery_nats_leader.testing.server_binaries import binary_version, server_binary
-from celery_nats_leader.testing.soak import (
+from tests.chaos.soak import (
     FAULT_KINDS,
     SoakOptions,
     kinds_from,
@@ -102,7 +105,7 @@ def main() -> int:
         f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
         flush=True,
     )
-    from celery_nats_leader.testing.soak import Soak
+    from tests.chaos.soak import Soak
 
     soak = Soak(options)
     print(f"seed {soak.seed}; events in {soak.workdir}", flush=True)

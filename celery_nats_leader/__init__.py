@@ -7,17 +7,19 @@ The core (this package's top level) imports neither Celery nor Django. The
 Celery integration lives in :mod:`celery_nats_leader.worker.bootstep`,
 :mod:`celery_nats_leader.worker.tasks` and :mod:`celery_nats_leader.beat`; its main
 names are importable from here too, lazily, so that importing the core never
-imports Celery.
+imports Celery (type checkers and IDEs see them through the ``TYPE_CHECKING``
+imports below).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election import DemoteReason, Election, ElectionState
 from celery_nats_leader.election.interface import LeaderElection, new_election
-from celery_nats_leader.election.services import LeaderContext, LeaderServiceRunner, LeadingScope
+from celery_nats_leader.election.observer import ElectionObserver
+from celery_nats_leader.election.services import LeaderContext, LeadingScope
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import (
     BackendError,
@@ -35,9 +37,18 @@ from celery_nats_leader.errors import (
     PermissionDeniedError,
 )
 from celery_nats_leader.nats.connection import ConnectOptions
-from celery_nats_leader.ops.status import RoleStatus, read_status
+from celery_nats_leader.ops.status import RoleStatus
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
+
+if TYPE_CHECKING:
+    # What ``__getattr__`` returns, for type checkers and IDEs (never run).
+    from celery_nats_leader.beat import LeaderScheduler, LeaderSchedulerMixin
+    from celery_nats_leader.worker.bootstep import NatsLeaderBootstep, install
+    from celery_nats_leader.worker.leader_services import leader_service
+    from celery_nats_leader.worker.once import OnceTask, run_once
+    from celery_nats_leader.worker.signals import leader_demoted, leader_promoted
+    from celery_nats_leader.worker.tasks import LeaderTask, leader_only
 
 __version__ = "0.1.0"
 
@@ -66,6 +77,10 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
 __all__ = [
     "BackendError",
     "BackendTimeoutError",
@@ -77,6 +92,7 @@ __all__ = [
     "Election",
     "ElectionConfig",
     "ElectionError",
+    "ElectionObserver",
     "ElectionState",
     "ElectionStoppedError",
     "Elector",
@@ -85,16 +101,25 @@ __all__ = [
     "LeaderContext",
     "LeaderElection",
     "LeaderRecord",
-    "LeaderServiceRunner",
+    "LeaderScheduler",
+    "LeaderSchedulerMixin",
+    "LeaderTask",
     "LeadershipLostError",
     "LeadingScope",
+    "NatsLeaderBootstep",
     "NatsUnavailableError",
     "NotConnectedError",
     "NotLeaderError",
+    "OnceTask",
     "PermissionDeniedError",
     "RoleHandle",
     "RoleStatus",
     "__version__",
+    "install",
+    "leader_demoted",
+    "leader_only",
+    "leader_promoted",
+    "leader_service",
     "new_election",
-    "read_status",
+    "run_once",
 ]

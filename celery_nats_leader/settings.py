@@ -27,7 +27,7 @@ from celery_nats_leader.config import (
     validate_bucket,
     validate_key,
 )
-from celery_nats_leader.constants import DEFAULT_BUCKET, DEFAULT_SERVERS, DEFAULT_TTL_SECONDS
+from celery_nats_leader.constants import DEFAULT_SERVERS
 from celery_nats_leader.errors import ConfigError
 from celery_nats_leader.nats.connection import ConnectOptions
 
@@ -36,13 +36,38 @@ logger = logging.getLogger(__name__)
 #: Prefix of the settings in Celery's configuration.
 CELERY_PREFIX = "nats_leader_"
 
+#: Marks a :class:`LeaderSettings` field that is also an :class:`ElectionConfig` field.
+_ELECTION = "election_config"
+
+_ELECTION_FIELDS = {f.name: f for f in dataclasses.fields(ElectionConfig)}
+
+
+def election_field(name: str) -> Any:
+    """A :class:`LeaderSettings` field that is :class:`ElectionConfig`'s field ``name``.
+
+    It has that field's default (or default factory) and is passed to every
+    role's config by :meth:`LeaderSettings.election_config`, so a process-wide
+    election setting is one line: ``ttl: float = election_field("ttl")``.
+
+    Raises:
+        KeyError: If ``ElectionConfig`` has no such field.
+
+    """
+    source = _ELECTION_FIELDS[name]
+    metadata = {_ELECTION: name}
+    if source.default_factory is not dataclasses.MISSING:
+        return field(default_factory=source.default_factory, metadata=metadata)
+    return field(default=source.default, metadata=metadata)
+
 
 @dataclass(frozen=True)
 class LeaderSettings:
     """A process's election settings.
 
     Every field maps to the Celery setting ``nats_leader_<field>`` and to the
-    key ``<FIELD>`` (upper-case) of Django's ``NATS_LEADER`` dict.
+    key ``<FIELD>`` (upper-case) of Django's ``NATS_LEADER`` dict. The fields
+    declared with :func:`election_field` are :class:`ElectionConfig`'s (same
+    name, same default), passed to every role's config.
     """
 
     servers: tuple[str, ...] = DEFAULT_SERVERS
@@ -51,40 +76,40 @@ class LeaderSettings:
     connect_options: Mapping[str, Any] = field(default_factory=dict)
     """Extra connect options: TLS, user_credentials, token, nkeys_seed, ..."""
 
-    bucket: str = DEFAULT_BUCKET
+    bucket: str = election_field("bucket")
     """KV bucket of the elections."""
 
     roles: tuple[str, ...] = ("default",)
     """Roles this process campaigns for."""
 
-    ttl: float = DEFAULT_TTL_SECONDS
+    ttl: float = election_field("ttl")
     """Election TTL in seconds (the bucket's max_age)."""
 
-    heartbeat_interval: float = 0.0
+    heartbeat_interval: float = election_field("heartbeat_interval")
     """Seconds between renewals; 0 = ttl / 4."""
 
-    request_timeout: float = 0.0
+    request_timeout: float = election_field("request_timeout")
     """Seconds per store operation; 0 = derived from the heartbeat."""
 
-    disconnect_grace: float = 0.0
+    disconnect_grace: float = election_field("disconnect_grace")
     """Seconds a disconnected leader keeps leading; 0 = 2 heartbeats."""
 
-    validation_interval: float = 0.0
+    validation_interval: float = election_field("validation_interval")
     """Seconds between background token validations while leading; 0 = off."""
 
-    priority: int = 0
+    priority: int = election_field("priority")
     """Higher is preferred."""
 
-    allow_takeover: bool = False
+    allow_takeover: bool = election_field("allow_takeover")
     """Ask a lower-priority leader to hand over."""
 
-    instance_id: str = ""
+    instance_id: str = election_field("instance_id")
     """This process's id; empty = host:pid:random."""
 
-    create_bucket: bool = False
+    create_bucket: bool = election_field("create_bucket")
     """Create the bucket when missing."""
 
-    bucket_replicas: int = 1
+    bucket_replicas: int = election_field("bucket_replicas")
     """Replicas when creating the bucket."""
 
     required: bool = False
@@ -134,25 +159,25 @@ class LeaderSettings:
     """Seconds a finished run is remembered (the done bucket's ``max_age``):
     duplicates arriving later than this run again."""
 
-    strategy: Strategy = "kv"
+    strategy: Strategy = election_field("strategy")
     """Election strategy: ``kv`` (default) or ``allcall``."""
 
-    max_clock_skew: float = 1.0
+    max_clock_skew: float = election_field("max_clock_skew")
     """ALLCALL only: the bound on clock differences between hosts, seconds."""
 
     role_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Per-role overrides of any ElectionConfig field, e.g. ``{"beat": {"ttl": 5}}``."""
 
-    health_check: Any = None
+    health_check: Any = election_field("health_check")
     """Fit to lead? A callable (sync or async, returns bool) or its dotted path
     (``"proj.health:db_ok"``), run while leading; per role in ``role_options``.
     Built in: ``celery_nats_leader.worker.health.broker_reachable``,
     ``django_nats_leader.health.database_reachable``."""
 
-    health_check_interval: float = 0.0
+    health_check_interval: float = election_field("health_check_interval")
     """Seconds between health checks while leading; 0 = the heartbeat."""
 
-    health_check_failures: int = 3
+    health_check_failures: int = election_field("health_check_failures")
     """Consecutive failed health checks after which the leader resigns."""
 
     services: Mapping[str, Any] = field(default_factory=dict)
@@ -238,24 +263,11 @@ class LeaderSettings:
 
         """
         base: dict[str, Any] = {
-            "role": role,
-            "bucket": self.bucket,
-            "instance_id": self.instance_id,
-            "ttl": self.ttl,
-            "heartbeat_interval": self.heartbeat_interval,
-            "request_timeout": self.request_timeout,
-            "disconnect_grace": self.disconnect_grace,
-            "validation_interval": self.validation_interval,
-            "priority": self.priority,
-            "allow_takeover": self.allow_takeover,
-            "create_bucket": self.create_bucket,
-            "bucket_replicas": self.bucket_replicas,
-            "strategy": self.strategy,
-            "max_clock_skew": self.max_clock_skew,
-            "health_check": self.health_check,
-            "health_check_interval": self.health_check_interval,
-            "health_check_failures": self.health_check_failures,
+            f.metadata[_ELECTION]: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if _ELECTION in f.metadata
         }
+        base["role"] = role
         base.update(self.role_options.get(role, {}))
         try:
             base["health_check"] = resolve_health_check(base["health_check"], "health_check")

@@ -29,10 +29,9 @@ from celery_nats_leader.election.base import (
     control_subject,
 )
 from celery_nats_leader.election.interface import LeaderElection, new_election
-from celery_nats_leader.election.kv import PERMANENT_ERRORS, Election
+from celery_nats_leader.election.kv import Election
 
 __all__ = [
-    "PERMANENT_ERRORS",
     "DemoteCallback",
     "DemoteReason",
     "Election",

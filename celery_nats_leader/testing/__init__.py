@@ -19,8 +19,9 @@ exercise leader election against a real ``nats-server`` instead of mocks:
 One module per part: :mod:`.ports`, :mod:`.nats_server`, :mod:`.cluster`,
 :mod:`.server_binaries`, :mod:`.fault_proxy`, :mod:`.candidate` (the child
 program), :mod:`.candidate_control` (the parent side), :mod:`.process`,
-:mod:`.services`, :mod:`.soak` + :mod:`.soak_child` + :mod:`.checker` (the
-chaos soak and its independent checker).
+:mod:`.kombu_fs` (the example project's broker) and :mod:`.pytest_plugin`
+(fixtures for an application's own tests; see "Testing your code"). This
+project's chaos soak is not shipped: it lives in the repository's ``tests/chaos``.
 
 The ``nats-server`` binary is looked up by :func:`find_nats_server_binary`
 (``$NATS_SERVER_BIN``, ``$NATS_SERVER_VERSION``, ``PATH``, then

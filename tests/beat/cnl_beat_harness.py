@@ -43,10 +43,10 @@ from celery_nats_leader.errors import RecordFormatError
 from celery_nats_leader.loop_thread import EventLoopThread
 from celery_nats_leader.record import LeaderRecord, decode_record
 from celery_nats_leader.testing import NatsServer
-from celery_nats_leader.testing.services import wait_for
 from tests.support import REPO
 from tests.support.brokers import Broker
 from tests.support.procs import Proc
+from tests.support.services import wait_for
 
 HERE = Path(__file__).resolve().parent
 CELERY = str(Path(sys.executable).parent / "celery")

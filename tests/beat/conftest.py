@@ -18,8 +18,8 @@ import pytest
 from cnl_beat_harness import PG_DB, PG_HOST, PG_PORT, BeatCluster, Database, pg_connect
 
 from celery_nats_leader.testing import NatsServer
-from celery_nats_leader.testing.services import IN_CI, reachable
 from tests.support.brokers import Broker, make_broker
+from tests.support.services import IN_CI, reachable
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ scheduled task. The chaos soak stopped its worker a fixed 2 s after the beats,
 before such a retry was due, and the checker reported the tick lost
 (``every-second@29924150``: "cannot claim its id (no response from bucket
 '..._once_leases'); retrying in 10s" 8 s before the worker's warm shutdown).
-:func:`~celery_nats_leader.testing.soak.drain_worker` returns only once the
+:func:`~tests.chaos.soak.drain_worker` returns only once the
 worker has nothing queued, active, reserved or scheduled.
 """
 
@@ -22,7 +22,7 @@ import pytest
 from cnl_beat_app import make_app
 from cnl_beat_harness import BeatCluster
 
-from celery_nats_leader.testing.soak import drain_worker
+from tests.chaos.soak import drain_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.celery, pytest.mark.timeout(180)]
 

@@ -29,10 +29,10 @@ from cnl_celery_ledger import Ledger
 
 from celery_nats_leader.nats import ConnectOptions, open_backend
 from celery_nats_leader.testing import NatsServer
-from celery_nats_leader.testing.services import wait_for
 from tests.support import REPO
 from tests.support.brokers import Broker
 from tests.support.procs import Proc
+from tests.support.services import wait_for
 
 HERE = Path(__file__).resolve().parent
 CELERY = str(Path(sys.executable).parent / "celery")

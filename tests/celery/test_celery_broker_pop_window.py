@@ -7,7 +7,7 @@ what is left of its pending read (up to ``polling_interval``, the read's
 server-side timeout): the read still takes a message that arrives meanwhile,
 and the message waits in the stopped process's socket. The soak's checker
 counts such a loss apart, at most one per killed leader
-(``celery_nats_leader.testing.checker``); this test shows the window on the
+(``tests.chaos.checker``); this test shows the window on the
 real brokers: on Redis the message is then nowhere, on RabbitMQ the broker
 gives it to the next leader, which runs it.
 """

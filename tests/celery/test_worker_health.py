@@ -9,9 +9,9 @@ from celery import Celery
 
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.testing import free_port
-from celery_nats_leader.testing.services import require_service
 from celery_nats_leader.worker.health import broker_check, broker_reachable
 from tests.support.brokers import AMQP_URL, REDIS_URL
+from tests.support.services import require_service
 
 pytestmark = [pytest.mark.celery, pytest.mark.integration]
 

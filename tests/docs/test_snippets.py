@@ -46,7 +46,7 @@ import pytest
 from nats.js.errors import NoKeysError
 
 from celery_nats_leader.testing import NatsServer
-from celery_nats_leader.testing.services import require_service
+from tests.support.services import require_service
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

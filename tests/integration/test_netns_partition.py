@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_nats_leader.testing import CandidateGroup, NatsServer
-from celery_nats_leader.testing.netns import NetnsHost, cleanup_leftovers
+from tests.chaos.netns import NetnsHost, cleanup_leftovers
 from tests.integration.helpers import (
     LEASE,
     SLACK,

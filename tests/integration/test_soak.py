@@ -4,7 +4,7 @@ A 3-node cluster with an R3 bucket, five candidate processes on two roles
 with file and PostgreSQL fences, three ``celery beat`` replicas with a 1-s
 entry (and a worker on Redis running its ticks), three workers running
 leader-only tasks sent four times a second, and faults in combinations (see
-:mod:`celery_nats_leader.testing.soak`). The independent checker reads the
+:mod:`tests.chaos.soak`). The independent checker reads the
 recorded events; any violation fails the test, with the checker's table and
 the seed (``benchmarks/soak.py --seed N --faults 30 --ttl 1`` replays the
 schedule). About a minute and a half of wall time.
@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from celery_nats_leader.testing.server_binaries import server_binary
-from celery_nats_leader.testing.services import IN_CI, require_service
-from celery_nats_leader.testing.soak import FAULT_KINDS, Soak, SoakOptions, postgres_reachable
+from tests.chaos.soak import FAULT_KINDS, Soak, SoakOptions, postgres_reachable
+from tests.support.services import IN_CI, require_service
 
 REDIS_URL = os.environ.get("CNL_REDIS_URL", "redis://127.0.0.1:6379/0")
 BEAT_APP = Path(__file__).resolve().parent.parent / "beat"

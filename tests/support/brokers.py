@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from celery_nats_leader.testing.services import require_service
+from tests.support.services import require_service
 
 REDIS_URL = os.environ.get("CNL_REDIS_URL", "redis://127.0.0.1:6379/0")
 AMQP_URL = os.environ.get("CNL_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from celery_nats_leader.testing.checker import Event, check, load_events
+from tests.chaos.checker import Event, check, load_events
 
 TTL = 2.0
 

@@ -121,3 +121,64 @@ def test_token_header_round_trip_and_ordering() -> None:
     assert "9f2c0000…" in repr(token) and "cccc" not in repr(token)
     with pytest.raises(RecordFormatError):
         FencingToken.from_header("abc")
+
+
+#: ElectionConfig fields that are per role only (``role_options``), not process settings.
+PER_ROLE_ONLY = {
+    "role",
+    "lease_margin",
+    "resync_interval",
+    "campaign_jitter",
+    "priority_step",
+    "release_on_stop",
+    "meta",
+}
+
+
+def test_settings_election_fields_are_election_config_fields_with_its_defaults() -> None:
+    import dataclasses
+
+    config_fields = {f.name: f for f in dataclasses.fields(ElectionConfig)}
+    shared = {
+        f.name: f for f in dataclasses.fields(LeaderSettings) if "election_config" in f.metadata
+    }
+    # A new ElectionConfig field is either a process setting (one election_field line
+    # in LeaderSettings) or deliberately per role only: this test makes someone decide.
+    assert sorted(set(config_fields) - set(shared) - PER_ROLE_ONLY) == []
+    assert set(shared) <= set(config_fields)
+    for name, f in shared.items():
+        source = config_fields[name]
+        assert (f.default, f.default_factory) == (source.default, source.default_factory), name
+
+
+def test_every_election_setting_reaches_every_role_config() -> None:
+    values = {
+        "bucket": "b2",
+        "ttl": 12.0,
+        "heartbeat_interval": 2.0,
+        "request_timeout": 0.5,
+        "disconnect_grace": 5.0,
+        "validation_interval": 4.0,
+        "priority": 7,
+        "allow_takeover": True,
+        "instance_id": "me",
+        "create_bucket": True,
+        "bucket_replicas": 3,
+        "strategy": "allcall",
+        "max_clock_skew": 0.25,
+        "health_check": "celery_nats_leader.worker.health:broker_reachable",
+        "health_check_interval": 3.0,
+        "health_check_failures": 5,
+    }
+    settings = LeaderSettings(roles=("a", "b"), **values)  # type: ignore[arg-type]
+    for role in ("a", "b", "beat"):
+        config = settings.election_config(role)
+        assert config.role == role
+        seen = {name: getattr(config, name) for name in values}
+        assert callable(seen.pop("health_check"))
+        values_without_check = {k: v for k, v in values.items() if k != "health_check"}
+        assert seen == values_without_check
+    # Defaults: an empty settings object gives ElectionConfig's own defaults.
+    default = LeaderSettings().election_config("default")
+    reference = ElectionConfig(role="default", instance_id=default.instance_id)
+    assert default == reference

@@ -1,11 +1,15 @@
 """The layout's promises, checked on the source: who may import what.
 
-* ``celery_nats_leader.nats`` is the only code that imports nats-py (test
-  helpers under ``testing/`` may use it directly);
+* ``celery_nats_leader.nats`` is the only code that imports nats-py (the
+  test helpers under ``testing/`` too go through it);
 * the core (everything but the Celery wiring ``worker/``, ``beat/``,
   ``cli.py`` and the test helpers ``testing/``) imports neither Celery,
   kombu nor Django, and imports in a fresh interpreter where those cannot
-  be imported at all.
+  be imported at all;
+* the installed package ships test helpers for users, not this project's
+  chaos harness: nothing in it imports the Django app, the test suite or a
+  database or Redis client, and the pytest plugin loads without Celery and
+  Django.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ DJANGO_APP = Path(django_nats_leader.__file__).resolve().parent
 NOT_CORE = ("worker", "beat", "testing", "cli.py")
 
 #: Where nats-py may be imported.
-NATS_ALLOWED = ("nats", "testing")
+NATS_ALLOWED = ("nats",)
 
 INTEGRATIONS = ("celery", "kombu", "django")
 
@@ -138,3 +142,36 @@ def test_the_blocker_blocks() -> None:
     )
     assert result.returncode != 0
     assert "celery is blocked in this test" in result.stderr
+
+
+#: What the shipped package never imports: the Django app (its own
+#: extra) and this repository's tests.
+NEVER_IMPORTED = ("django_nats_leader", "tests")
+
+#: What the shipped test helpers do not need: databases and Redis.
+SERVICE_CLIENTS = ("psycopg2", "redis", "django")
+
+
+def test_the_package_ships_no_chaos_harness() -> None:
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {top}"
+        for path in package_files()
+        for line, top in imported_top_levels(path)
+        if top in NEVER_IMPORTED
+        or (path.relative_to(PACKAGE).parts[0] == "testing" and top in SERVICE_CLIENTS)
+    ]
+    assert offenders == []
+    testing = {p.name for p in (PACKAGE / "testing").glob("*.py")}
+    assert not testing & {"soak.py", "soak_child.py", "checker.py", "netns.py", "services.py"}
+
+
+def test_the_pytest_plugin_loads_without_celery_and_django() -> None:
+    # Registered for every pytest run of every user who installs the package:
+    # loading it must cost nothing and need no extra.
+    script = BLOCKER.format(
+        blocked=list(INTEGRATIONS), modules=["celery_nats_leader.testing.pytest_plugin"]
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr

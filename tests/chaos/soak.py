@@ -2,7 +2,7 @@
 
 Set-up: a 3-node NATS cluster (JetStream store capped, so that it can run
 out), an R3 election bucket, and election candidates
-(:mod:`~celery_nats_leader.testing.soak_child`), each campaigning for every
+(:mod:`~tests.chaos.soak_child`), each campaigning for every
 role and, while leading, writing through two fences (a file and, when
 reachable, PostgreSQL). Every candidate reaches each server through a
 :class:`~celery_nats_leader.testing.fault_proxy.ThreadedFaultProxy` of its own.
@@ -32,7 +32,7 @@ bucket_recreate     an operator deletes the bucket, clears the fences (as
 
 Every process appends its events to one directory; the fault scheduler adds
 ``fault``, ``killed``, ``paused``, ``resumed`` and ``exited`` lines. The
-independent :mod:`~celery_nats_leader.testing.checker` judges the run from
+independent :mod:`~tests.chaos.checker` judges the run from
 those files alone.
 """
 
@@ -60,13 +60,14 @@ from typing import Any
 import nats
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 
-from celery_nats_leader.testing.checker import Report, check, load_events
 from celery_nats_leader.testing.cluster import NatsCluster
 from celery_nats_leader.testing.fault_proxy import ThreadedFaultProxy
-from celery_nats_leader.testing.netns import NetnsHost
 from celery_nats_leader.testing.process import thread_states
-from celery_nats_leader.testing.soak_child import MODULE as CHILD_MODULE
-from celery_nats_leader.testing.soak_child import EventLog, FileFence, pg_settings
+from tests.chaos.checker import Report, check, load_events
+from tests.chaos.netns import NetnsHost
+from tests.chaos.soak_child import MODULE as CHILD_MODULE
+from tests.chaos.soak_child import EventLog, FileFence, pg_settings
+from tests.support import REPO
 
 __all__ = [
     "DRAIN_TIMEOUT",
@@ -228,7 +229,7 @@ class _Candidate:
             cmd.append("--pg")
         if self.host is not None:
             cmd = self.host.command(cmd)  # execs in place: the pid is the candidate's
-        self._spawn(cmd, None)
+        self._spawn(cmd, child_env())
 
     def _spawn(self, cmd: list[str], env: dict[str, str] | None) -> None:
         log = open(self.soak.logs_dir / f"{self.name}.log", "ab")  # noqa: SIM115 - owned by Popen
@@ -1042,6 +1043,7 @@ class Soak:
         """Create the fence's table (Django's migration, in a process of its own)."""
         result = subprocess.run(
             [sys.executable, "-m", CHILD_MODULE, "--migrate"],
+            env=child_env(),
             capture_output=True,
             text=True,
             timeout=300,
@@ -1049,6 +1051,13 @@ class Soak:
         )
         if result.returncode != 0:
             raise RuntimeError(f"migrating the PostgreSQL fence failed:\n{result.stderr}")
+
+
+def child_env() -> dict[str, str]:
+    """This environment, with the repository root importable (``-m tests.chaos.soak_child``)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
 
 
 def drain_worker(

@@ -1,9 +1,9 @@
 """One soak candidate: elections for several roles, fenced writes while leading.
 
-``python -m celery_nats_leader.testing.soak_child --url URL --id c1 --roles a,b
+``python -m tests.chaos.soak_child --url URL --id c1 --roles a,b
 --events DIR --fence FILE [--pg]`` campaigns for every role on one connection
 and appends its events to ``DIR/<id>.jsonl`` (see
-:mod:`celery_nats_leader.testing.checker` for the format): ``promote`` and
+:mod:`tests.chaos.checker` for the format): ``promote`` and
 ``demote`` from the election callbacks, and ``write`` for every fenced write
 it attempts while it believes it leads (every ``--write-interval`` seconds
 per role):
@@ -44,7 +44,7 @@ from celery_nats_leader.token import FencingToken
 
 __all__ = ["EventLog", "FileFence", "main", "pg_settings"]
 
-MODULE = "celery_nats_leader.testing.soak_child"
+MODULE = "tests.chaos.soak_child"
 
 
 class EventLog:
