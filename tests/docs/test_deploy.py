@@ -139,10 +139,12 @@ def test_command_lines_parse(where: str, container: dict[str, Any]) -> None:
         celery_parses(argv)
 
 
-def test_worker_probes_use_the_metrics_port_and_the_probe_paths() -> None:
+@pytest.mark.parametrize(("where", "workload", "spec"), pod_specs("Deployment"))
+def test_probes_use_the_metrics_port_and_the_probe_paths(
+    where: str, workload: dict[str, Any], spec: dict[str, Any]
+) -> None:
     from celery_nats_leader.probes import ProbeServer
 
-    ((where, _, spec),) = [p for p in pod_specs("Deployment") if "worker" in p[0]]
     (container,) = spec["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -159,11 +161,10 @@ def test_worker_probes_use_the_metrics_port_and_the_probe_paths() -> None:
     assert '"/healthz"' in text and '"/readyz"' in text
 
 
-def test_beat_has_no_http_probes_and_hands_over_on_stop() -> None:
+def test_beat_runs_the_leader_scheduler() -> None:
     ((where, _, spec),) = [p for p in pod_specs("Deployment") if "beat" in p[0]]
     (container,) = spec["containers"]
-    assert not {"livenessProbe", "readinessProbe", "startupProbe"} & set(container), where
-    assert container["command"][3:6] == ["beat", "-S", "nats_leader"]
+    assert container["command"][3:6] == ["beat", "-S", "nats_leader"], where
 
 
 @pytest.mark.parametrize(("where", "workload", "spec"), pod_specs("Deployment"))
