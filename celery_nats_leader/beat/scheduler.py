@@ -18,7 +18,7 @@ import multiprocessing
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import FrameType
@@ -52,6 +52,7 @@ from celery_nats_leader.errors import (
     ElectionError,
     PermissionDeniedError,
 )
+from celery_nats_leader.probes import ProbeResult, ProbeServer, liveness, readiness
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 
@@ -164,6 +165,8 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         self.nats_leader_observer: PrometheusObserver | None = None
         #: The port the metrics are served on, once served.
         self.nats_leader_metrics_port: int | None = None
+        #: ``/healthz``, ``/readyz`` and ``/metrics`` on that port (a standalone beat).
+        self.nats_leader_probes: ProbeServer | None = None
         if settings.metrics_port is not None:
             # Imported only when asked for: prometheus-client is an optional extra.
             from celery_nats_leader.prometheus import PrometheusObserver
@@ -395,6 +398,8 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         finally:
             if first:
                 self.nats_leader_election.stop()
+                if self.nats_leader_probes is not None:
+                    self.nats_leader_probes.close()
                 if self.nats_leader_observer is not None:
                     self.nats_leader_observer.close()
 
@@ -436,13 +441,27 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             )
             return
         port = int(settings.metrics_port)
+        # The worker's probes, on the beat's election (started after this:
+        # until then neither probe passes).
+        probes = ProbeServer(
+            live=lambda: self._probe(liveness),
+            ready=lambda: self._probe(readiness),
+            registry=observer.registry,
+        )
         try:
-            self.nats_leader_metrics_port = observer.serve(port, settings.metrics_address)
+            self.nats_leader_metrics_port = probes.serve(port, settings.metrics_address)
         except OSError as exc:
             raise ConfigError(
                 f"nats_leader_metrics_port={port}: cannot serve metrics on "
                 f"{settings.metrics_address}:{port} ({exc}); pick a free port or unset it"
             ) from exc
+        self.nats_leader_probes = probes
+
+    def _probe(self, check: Callable[[Elector], ProbeResult]) -> ProbeResult:
+        elector = self.nats_leader_election.elector
+        if elector is None:
+            return ProbeResult(False, {"election": "not started"})
+        return check(elector)
 
     def _retry_delay(self) -> float:
         return self.nats_leader_election.retry_delay(float(self.max_interval))

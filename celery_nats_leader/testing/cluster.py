@@ -8,8 +8,10 @@ leader before returning. Its members are
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -28,9 +30,30 @@ from celery_nats_leader.testing.nats_server import (
 )
 from celery_nats_leader.testing.ports import free_port
 
-__all__ = ["NatsCluster"]
+__all__ = ["NatsCluster", "with_store_dir"]
 
 logger = logging.getLogger(__name__)
+
+_STORE_DIR = re.compile(r"^(?P<indent>[ \t]*)store_dir\s*[:=].*$", re.M)
+
+
+def with_store_dir(config: str, store_dir: str | os.PathLike[str]) -> str:
+    """A nats-server configuration's text with its JetStream ``store_dir`` replaced.
+
+    How the tests start the files of ``deploy/nats/`` as they are, apart
+    from where the data goes (nats-server refuses ``-sd`` on the command
+    line beside a ``store_dir`` in the file).
+
+    Raises:
+        ValueError: The configuration has no (or more than one) ``store_dir``.
+
+    """
+    found, count = _STORE_DIR.subn(
+        lambda m: f"{m['indent']}store_dir: {json.dumps(os.fspath(store_dir))}", config
+    )
+    if count != 1:
+        raise ValueError(f"expected one JetStream store_dir in the configuration, found {count}")
+    return found
 
 
 class NatsCluster:
@@ -54,6 +77,13 @@ class NatsCluster:
             client must only ever reach the cluster through a fault proxy
             (otherwise nats-py adds the discovered direct URLs to its pool).
         extra_args: Further arguments for every member.
+        config_file: A nats-server configuration every member is started
+            from, such as the repository's ``deploy/nats/cluster.conf``
+            (it must enable JetStream with a ``store_dir``). Each member
+            gets a copy whose ``store_dir`` is its own store; the harness's
+            flags (ports, name, cluster name, routes) override the file's
+            values; its other settings (JetStream limits, lame duck, ...)
+            apply.
         binary: The executable; :func:`find_nats_server_binary` by default.
         startup_timeout: Seconds :meth:`start` (and :meth:`restart`) may take.
         stop_timeout: Seconds a member may take to exit after SIGTERM.
@@ -67,6 +97,7 @@ class NatsCluster:
         cluster_name: str | None = None,
         advertise: bool = True,
         extra_args: Sequence[str] = (),
+        config_file: str | os.PathLike[str] | None = None,
         binary: str | None = None,
         startup_timeout: float = 20.0,
         stop_timeout: float = 10.0,
@@ -79,19 +110,24 @@ class NatsCluster:
         self._tmp_dir = Path(tempfile.mkdtemp(prefix="nats-cluster-"))
         self._finalizer = weakref.finalize(self, shutil.rmtree, self._tmp_dir, True)
         args = list(extra_args)
+        config_text = None if config_file is None else Path(config_file).read_text()
         if not advertise:
             # A Go bool flag: "--no_advertise true" would end flag parsing.
             args.append("--no_advertise=true")
         ports, monitor_ports, cluster_ports = self._pick_ports(size)
+        configs = [self._tmp_dir / f"member-{i}.conf" for i in range(size)]
         self._servers = [
             NatsServer(
+                # With a configuration file, its jetstream block enables
+                # JetStream (nats-server refuses -sd beside a store_dir).
+                jetstream=config_text is None,
                 port=ports[i],
                 monitor_port=monitor_ports[i],
                 server_name=f"{self._name}-{i}",
                 cluster_name=self._name,
                 cluster_port=cluster_ports[i],
                 routes=self._routes_for(i, cluster_ports),
-                extra_args=args,
+                extra_args=args if config_text is None else ["-c", str(configs[i]), *args],
                 binary=binary,
                 parent_dir=self._tmp_dir,
                 startup_timeout=startup_timeout,
@@ -99,6 +135,9 @@ class NatsCluster:
             )
             for i in range(size)
         ]
+        if config_text is not None:
+            for path, server in zip(configs, self._servers, strict=True):
+                path.write_text(with_store_dir(config_text, server.store_dir))
         self._ports_pinned = False
         self._closed = False
 

