@@ -239,16 +239,6 @@ def make_app(config: dict[str, Any]) -> Celery:
     def once(self: Any, *args: Any, **kwargs: Any) -> None:
         _record(ledger, self)
 
-    @app.task(shared=False, bind=True, base=OnceTask, name="cnl_beat.once_forward")
-    def once_forward(self: Any, forwarded: bool = False) -> None:
-        # Hands its message on under the same id and lets this copy go
-        # (Ignore), as @leader_only's forward and Task.replace do.
-        if not forwarded:
-            ledger.run(task="once_forward:handed-on", task_id=self.request.id)
-            self.apply_async(kwargs={"forwarded": True}, task_id=self.request.id)
-            raise Ignore()
-        ledger.run(task="once_forward:ran", task_id=self.request.id)
-
     @app.task(
         shared=False,
         bind=True,
@@ -277,6 +267,16 @@ def make_app(config: dict[str, Any]) -> Celery:
         while os.path.exists(hold):
             time.sleep(0.02)
         ledger.run(task="plain_hold:end", task_id=self.request.id)
+
+    @app.task(shared=False, bind=True, base=OnceTask, name="cnl_beat.once_forward")
+    def once_forward(self: Any, forwarded: bool = False) -> None:
+        # Hands its message on under the same id and lets this copy go
+        # (Ignore), as @leader_only's forward and Task.replace do.
+        if not forwarded:
+            ledger.run(task="once_forward:handed-on", task_id=self.request.id)
+            self.apply_async(kwargs={"forwarded": True}, task_id=self.request.id)
+            raise Ignore()
+        ledger.run(task="once_forward:ran", task_id=self.request.id)
 
     app.cnl_ledger = ledger  # type: ignore[attr-defined]
     return app
