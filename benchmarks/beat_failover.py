@@ -20,9 +20,14 @@ loop interval (``beat_max_loop_interval``), the same entries (several
 
 Dispatches are recorded in the beat processes themselves (Celery's
 ``before_task_publish`` signal), with the time on CLOCK_MONOTONIC (one clock
-for every process of this host) and the tick they are for: the slot header of
-celery-nats-leader, and for redbeat the entry's ``last_run_at`` when it was
-sent (two sends with the same one are the same tick sent twice).
+for every process of this host), the task id and the tick they are for: the
+slot header of celery-nats-leader, and for redbeat the entry's
+``last_run_at`` when it was sent (two sends with the same one are the same
+tick sent twice). A real worker per scheduler executes the ticks (a plain
+``@app.task``) and records each execution by task id: a tick *run twice* is
+one with two executions. The worker of celery-nats-leader runs the bootstep
+(``install(app)``), which runs each tick once by default; redbeat's is a
+plain Celery worker (redbeat has nothing on the worker side).
 
 Run: ``python benchmarks/beat_failover.py [--trials N]`` (needs Redis at
 ``$BENCH_REDIS_URL``, default 127.0.0.1:6379, and ``nats-server``). Prints a
@@ -68,6 +73,7 @@ REPLICAS = 3
 KILL_POINTS = ("random", "before publish", "after publish")
 
 CONFIG: dict[str, Any] = json.loads(os.environ.get("BEAT_BENCH_CONFIG", "{}"))
+NATS_VERSION = "?"
 
 # ------------------------------------------------------------ beat processes
 
@@ -101,6 +107,7 @@ def _on_publish(sender: str | None = None, headers: dict[str, Any] | None = None
     tick = headers.get("nats_leader_tick") or getattr(_local, "prev_run", None)
     record = {
         "pid": os.getpid(),
+        "id": headers.get("id"),
         "entry": entry,
         "tick": str(tick),
         "mono": time.monotonic(),
@@ -147,6 +154,16 @@ def make_app(config: dict[str, Any]) -> Any:
     )
     before_task_publish.connect(_on_publish, weak=False)
     after_task_publish.connect(_after_publish, weak=False)
+
+    @app.task(name="bench.noop", bind=True)
+    def noop(self: Any) -> None:
+        # A plain task: its executions are recorded by task id.
+        _client().rpush(CONFIG["prefix"] + "executions", str(self.request.id))
+
+    if config.get("bootstep"):
+        from celery_nats_leader import install
+
+        install(app)
     return app
 
 
@@ -186,22 +203,25 @@ if CONFIG:
 
 
 class Beat:
-    def __init__(self, index: int, scheduler: str, env: dict[str, str], tmp: Path) -> None:
-        self.log_path = tmp / f"beat-{index}-{uuid.uuid4().hex[:4]}.log"
+    """A ``celery beat`` replica (or, with ``worker``, the worker consuming that queue)."""
+
+    def __init__(
+        self, index: int, scheduler: str, env: dict[str, str], tmp: Path, worker: str = ""
+    ) -> None:
+        self.log_path = tmp / f"{'worker' if worker else 'beat'}-{index}-{uuid.uuid4().hex[:4]}.log"
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [
-                CELERY,
-                "-A",
-                "beat_failover",
+        if worker:
+            command = ["worker", "-P", "threads", "-c", "4", "-Q", worker, "-n", f"{worker}@%h"]
+        else:
+            command = [
                 "beat",
                 "-S",
                 scheduler,
                 "-s",
                 str(tmp / f"schedule-{index}-{uuid.uuid4().hex[:4]}"),
-                "-l",
-                "INFO",
-            ],
+            ]
+        self.proc = subprocess.Popen(
+            [CELERY, "-A", "beat_failover", *command, "-l", "INFO"],
             cwd=str(HERE),
             env=env,
             stdout=self._log,
@@ -255,11 +275,13 @@ class Run:
             "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
         }
         self.beats: list[Beat] = []
+        self.worker: Beat | None = None
         self.crashes: list[dict[str, Any]] = []
         self.pauses: dict[str, list[dict[str, Any]]] = {"mid-dispatch": [], "random": []}
         self._gaps = 0
 
     def start(self) -> None:
+        self.worker = Beat(-1, "", self.env, self.tmp, worker=self.config["queue"])
         for i in range(REPLICAS):
             self.beats.append(Beat(i, self.scheduler, self.env, self.tmp))
         self.wait(self.dispatches, 60, "a first dispatch")
@@ -274,6 +296,46 @@ class Run:
     def dispatches(self) -> list[dict[str, Any]]:
         raw = self.redis.lrange(self.config["prefix"] + "dispatches", 0, -1)
         return [json.loads(item) for item in raw]
+
+    def executions(self) -> Counter[str]:
+        """Executions per task id."""
+        raw = self.redis.lrange(self.config["prefix"] + "executions", 0, -1)
+        return Counter(item.decode() for item in raw)
+
+    def run_counts(self, start: float, end: float) -> tuple[int, int]:
+        """Ticks dispatched in [start, end]: (run twice or more, never run)."""
+        executed = self.executions()
+        runs: Counter[tuple[str, str]] = Counter()
+        ticks = set()
+        seen_ids: set[str] = set()
+        for d in self.dispatches():
+            if not start <= d["mono"] <= end:
+                continue
+            tick = (d["entry"], d["tick"])
+            ticks.add(tick)
+            if d["id"] not in seen_ids:
+                # Copies under one task id (the outbox's re-send) count by executions.
+                seen_ids.add(d["id"])
+                runs[tick] += executed[d["id"]]
+        twice = sum(n - 1 for n in runs.values() if n > 1)
+        never = sum(1 for tick in ticks if runs[tick] == 0)
+        return twice, never
+
+    def settle(self) -> None:
+        """Stop the schedulers and let the worker execute everything they sent."""
+        for beat in self.beats:
+            beat.stop()
+        ids = {d["id"] for d in self.dispatches()}
+
+        def done() -> bool:
+            executed = self.executions()
+            return all(executed[i] for i in ids)
+
+        with contextlib.suppress(RuntimeError):
+            self.wait(done, 60, "the worker to run every dispatched tick")
+        time.sleep(2.0)  # late copies (a retried claim) have time to show up
+        for scenario in [*self.crashes, *self.pauses["mid-dispatch"], *self.pauses["random"]]:
+            scenario["run_twice"], scenario["never_run"] = self.run_counts(*scenario["window"])
 
     def wait(self, predicate: Any, timeout: float, what: str) -> Any:
         deadline = time.monotonic() + timeout
@@ -350,6 +412,7 @@ class Run:
                 "failover": first["mono"] - killed_at,
                 "lost": lost,
                 "duplicates": duplicates,
+                "window": (start_mono, window_end),
             }
         )
         self.replace(victim)
@@ -379,7 +442,9 @@ class Run:
             log = victim.log()
             if "LockNotOwnedError" in log or "Cannot extend" in log:
                 outcome = "exited (LockNotOwnedError)"
-        self.pauses[kind].append({"duplicates": duplicates, "outcome": outcome})
+        self.pauses[kind].append(
+            {"duplicates": duplicates, "outcome": outcome, "window": (start_mono, time.monotonic())}
+        )
         self.redis.delete(self.config["prefix"] + "pause-next")
         if not victim.alive:
             self.replace(victim)
@@ -388,6 +453,8 @@ class Run:
     def close(self) -> None:
         for beat in self.beats:
             beat.stop()
+        if self.worker is not None:
+            self.worker.stop()
         keys = list(self.redis.scan_iter(match=self.config["prefix"] + "*"))
         if keys:
             self.redis.delete(*keys)
@@ -424,6 +491,7 @@ def measure(label: str, scheduler: str, trials: int, nats_url: str, tmp: Path) -
         "queue": f"beatbench-{uid}",
         "bucket": f"bench_{uid}",
         "nats_url": nats_url,
+        "bootstep": label == "celery-nats-leader",
     }
     if label == "celery-nats-leader":
         asyncio.run(_create_buckets(nats_url, config["bucket"]))
@@ -437,6 +505,7 @@ def measure(label: str, scheduler: str, trials: int, nats_url: str, tmp: Path) -
             run.pause("mid-dispatch")
         for _ in range(trials):
             run.pause("random")
+        run.settle()
     finally:
         run.close()
     return run
@@ -465,6 +534,16 @@ def report(ours: Run, theirs: Run, trials: int) -> str:
     def dups(run: Run, kind: str) -> int:
         return sum(p["duplicates"] for p in run.pauses[kind])
 
+    def twice(scenarios: list[dict[str, Any]]) -> int:
+        return sum(int(c.get("run_twice", 0)) for c in scenarios)
+
+    def crashes_at(run: Run, point: str) -> list[dict[str, Any]]:
+        return [c for c in run.crashes if c["point"] == point]
+
+    def never_run(run: Run) -> int:
+        scenarios = [*run.crashes, *run.pauses["mid-dispatch"], *run.pauses["random"]]
+        return sum(int(c.get("never_run", 0)) for c in scenarios)
+
     def outcome(run: Run) -> str:
         seen = Counter(p["outcome"] for kind in run.pauses.values() for p in kind)
         return ", ".join(f"{what} ×{n}" for what, n in seen.items())
@@ -482,32 +561,42 @@ def report(ours: Run, theirs: Run, trials: int) -> str:
         *(
             (
                 f"SIGKILL {point}: ticks of the 1-s entry never dispatched, per kill (mean) / "
-                f"ticks sent twice (total of {trials})",
-                f"{lost(ours, point):.1f} / {resent(ours, point)}",
-                f"{lost(theirs, point):.1f} / {resent(theirs, point)}",
+                f"ticks sent twice / ticks run twice (totals of {trials})",
+                f"{lost(ours, point):.1f} / {resent(ours, point)} / "
+                f"{twice(crashes_at(ours, point))}",
+                f"{lost(theirs, point):.1f} / {resent(theirs, point)} / "
+                f"{twice(crashes_at(theirs, point))}",
                 "",
             )
             for point in KILL_POINTS
         ),
-        (
-            f"duplicate dispatches, SIGSTOP {2 * LOCK_TTL} s inside a dispatch (total of {trials})",
-            str(dups(ours, "mid-dispatch")),
-            str(dups(theirs, "mid-dispatch")),
-            _ratio(dups(ours, "mid-dispatch"), dups(theirs, "mid-dispatch")),
+        *(
+            (
+                f"SIGSTOP {2 * LOCK_TTL} s {where}: ticks sent twice / ticks run twice "
+                f"(totals of {trials})",
+                f"{dups(ours, kind)} / {twice(ours.pauses[kind])}",
+                f"{dups(theirs, kind)} / {twice(theirs.pauses[kind])}",
+                "",
+            )
+            for kind, where in (
+                ("mid-dispatch", "inside a dispatch"),
+                ("random", "at a random time"),
+            )
         ),
         (
-            f"duplicate dispatches, SIGSTOP {2 * LOCK_TTL} s at a random time (total of {trials})",
-            str(dups(ours, "random")),
-            str(dups(theirs, "random")),
-            _ratio(dups(ours, "random"), dups(theirs, "random")),
+            "ticks dispatched and never run, all scenarios",
+            str(never_run(ours)),
+            str(never_run(theirs)),
+            "",
         ),
         ("the paused scheduler after SIGCONT", outcome(ours), outcome(theirs), ""),
     ]
     lines = [
         f"{REPLICAS} `celery beat` replicas per scheduler, {ENTRIES} entries every 1 s, "
         f"lock TTL = election TTL = {LOCK_TTL} s, `beat_max_loop_interval` = {LOOP_INTERVAL:g} s, "
-        f"Redis broker; {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}.",
+        f"Redis broker, one worker per scheduler running a plain task "
+        f"(celery-nats-leader's with the bootstep); {platform.system()} {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, nats-server {NATS_VERSION}.",
         "",
         "| | celery-nats-leader `LeaderScheduler` | celery-redbeat `RedBeatScheduler` "
         "| redbeat ÷ nats-leader |",
@@ -529,8 +618,10 @@ def main() -> int:
         print(f"_skipped: {message}_")
         return 0
     sys.path.insert(0, str(HERE.parent))
-    from celery_nats_leader.testing import NatsServer
+    from celery_nats_leader.testing import NatsServer, binary_version, find_nats_server_binary
 
+    global NATS_VERSION  # noqa: PLW0603 - printed in the report
+    NATS_VERSION = str(binary_version(find_nats_server_binary()))
     with tempfile.TemporaryDirectory(prefix="beat-bench-") as tmp, NatsServer() as server:
         ours = measure("celery-nats-leader", "nats_leader", args.trials, server.url, Path(tmp))
         theirs = measure(

@@ -146,6 +146,13 @@ class LeaderSettings:
     """Longest a follower's beat tick sleeps before it looks again, in seconds
     (a promotion wakes it at once). Capped by ``beat_max_loop_interval``."""
 
+    beat_once: bool = True
+    """Run each tick our beat schedulers send once on workers with the
+    bootstep (the once-guard keyed by the tick's task id). ``False`` on the
+    schedulers stops asking for it; ``False`` on a worker stops applying it.
+    An entry opts out with ``nats_leader_once = False`` in its options (or,
+    for database entries, its headers)."""
+
     once_bucket: str = ""
     """KV bucket of the once-guard's done records (``OnceTask``, ``@run_once``);
     empty = ``<bucket>_once``. Its leases live in ``<once_bucket>_leases``."""
@@ -228,6 +235,8 @@ class LeaderSettings:
                 f"beat_follower_interval={self.beat_follower_interval!r} must be a positive "
                 "number of seconds"
             )
+        if not isinstance(self.beat_once, bool):
+            raise ConfigError(f"beat_once={self.beat_once!r} must be True or False")
         if not self.instance_id:
             object.__setattr__(self, "instance_id", default_instance_id())
         if self.metrics_port is not None and not (0 <= int(self.metrics_port) <= 65535):

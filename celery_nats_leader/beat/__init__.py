@@ -11,12 +11,13 @@ waits a short, bounded time (a promotion wakes it at once) and looks again.
 
 Each dispatch, by the leader only, validates the fencing token against KV,
 commits the tick (identified by its *slot*, the time the schedule says it is
-due) with a compare-and-set, sends it with the token and the tick's identity
+due) with a compare-and-set, sends it with the term's epoch and the tick's identity
 in its headers (``nats_leader_*``), and records the send (or reverts the
 commit when it could not be sent). A tick committed by a scheduler that died
 before recording its send is sent again by the next one, under the same task
-id: delivery is **at least once per tick**, and execution exactly once for
-tasks using the once-guard (:class:`~celery_nats_leader.worker.once.OnceTask`).
+id: delivery is **at least once per tick**, and execution exactly once on
+workers with the bootstep (:func:`celery_nats_leader.install`), which run
+every tick under the once-guard unless the entry or the settings opt out.
 
 The package, one part per module:
 
@@ -29,7 +30,7 @@ The package, one part per module:
 * :mod:`~celery_nats_leader.beat.agenda`: when to ask each entry again (no Celery);
 * :mod:`~celery_nats_leader.beat.metrics`: per-entry tick counters (no Celery);
 * :mod:`~celery_nats_leader.beat.state`: the entries' state in KV (no Celery);
-* :mod:`~celery_nats_leader.beat.fence`: the worker-side check of the token.
+* :mod:`~celery_nats_leader.beat.fence`: the worker-side check of the term.
 
 The Celery names below are imported on first use, so the parts that import
 no Celery can be imported without it.
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
     from celery_nats_leader.beat.fence import (
         DISPATCHER_HEADER,
         ENTRY_HEADER,
+        EPOCH_HEADER,
+        ONCE_HEADER,
         ROLE_HEADER,
         RUN_HEADER,
         TICK_HEADER,
@@ -61,6 +64,8 @@ if TYPE_CHECKING:
 __all__ = [
     "DISPATCHER_HEADER",
     "ENTRY_HEADER",
+    "EPOCH_HEADER",
+    "ONCE_HEADER",
     "ROLE_HEADER",
     "RUN_HEADER",
     "TICK_HEADER",

@@ -1,7 +1,10 @@
 """The worker-side half of the beat fence: refuse tasks sent under an ended term.
 
-The leader scheduler (:mod:`celery_nats_leader.beat`) puts its fencing token
-and the tick's identity in every message's headers (below). A task that opts
+The leader scheduler (:mod:`celery_nats_leader.beat`) puts its term's epoch
+and the tick's identity in every message's headers (below); never the fencing
+token itself, which is a secret of the term (headers end up in logs, brokers
+and monitoring tools). The epoch is all the check needs: a term is stale once
+a newer one (a higher epoch) has begun. A task that opts
 in checks, before its body runs, that no newer term of the beat role has
 begun since (one KV read): :class:`FencedBeatTask` as the task base, or
 :func:`enforce_dispatch_token` / :func:`check_dispatch_token` from any hook
@@ -36,6 +39,8 @@ if TYPE_CHECKING:
 __all__ = [
     "DISPATCHER_HEADER",
     "ENTRY_HEADER",
+    "EPOCH_HEADER",
+    "ONCE_HEADER",
     "ROLE_HEADER",
     "RUN_HEADER",
     "TICK_HEADER",
@@ -49,8 +54,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Message header: the dispatching term's fencing token (``FencingToken.to_header()``).
+#: Message header: the epoch of the term that dispatched the task (an integer).
+EPOCH_HEADER = "nats_leader_epoch"
+#: Message header of messages sent by older versions: the whole fencing token
+#: (``"<epoch>:<value>"``). No longer sent; still read (its epoch only).
 TOKEN_HEADER = "nats_leader_token"
+#: Message header: ``True`` when workers with the bootstep run this tick once
+#: (the once-guard keyed by its per-tick task id); ``False`` for entries and
+#: schedulers that opted out.
+ONCE_HEADER = "nats_leader_once"
 #: Message header: the beat role whose leader dispatched the task.
 ROLE_HEADER = "nats_leader_role"
 #: Message header: the periodic entry's name.
@@ -68,12 +80,12 @@ class DispatchCheck:
     """The answer of :func:`check_dispatch_token`.
 
     Attributes:
-        fenced: Whether the message carried a beat token at all.
+        fenced: Whether the message carried a beat epoch at all.
         ok: Whether the task may run.
         certain: ``False`` when the current term could not be read (the
             answer is then ``ok=False``: fail closed).
         role: The role named in the message.
-        token: The token the message carried.
+        epoch: The epoch of the term that dispatched the message.
         current_epoch: The epoch of the role's current term, if read.
         reason: Why it may not run ("" when it may).
 
@@ -83,7 +95,7 @@ class DispatchCheck:
     ok: bool
     certain: bool = True
     role: str | None = None
-    token: FencingToken | None = None
+    epoch: int | None = None
     current_epoch: int | None = None
     reason: str = ""
 
@@ -94,7 +106,7 @@ def _request_headers(request: Any) -> Mapping[str, Any]:
     headers = getattr(request, "headers", None)
     if isinstance(headers, Mapping):
         found.update(headers)
-    for name in (TOKEN_HEADER, ROLE_HEADER, ENTRY_HEADER, TICK_HEADER):
+    for name in (EPOCH_HEADER, TOKEN_HEADER, ROLE_HEADER, ENTRY_HEADER, TICK_HEADER, ONCE_HEADER):
         value = getattr(request, name, None)
         if value is not None and name not in found:
             found[name] = value
@@ -107,7 +119,7 @@ class DispatchFence:
     One per process and settings (:meth:`for_settings`); it reads through a
     :class:`~celery_nats_leader.term.TermReader` (its own connection on its
     own loop thread, opened at first use), and remembers the highest epoch it
-    has seen (epochs only grow), so that tokens older than that are refused
+    has seen (epochs only grow), so that epochs older than that are refused
     without a round trip.
 
     Args:
@@ -164,22 +176,22 @@ class DispatchFence:
         """The highest epoch of ``role`` seen by this process (0 if none)."""
         return self._highest.get(role, 0)
 
-    def check(self, role: str, token: FencingToken) -> DispatchCheck:
-        """Whether a message sent under ``token`` may still run.
+    def check(self, role: str, epoch: int) -> DispatchCheck:
+        """Whether a message sent by the term of ``epoch`` may still run.
 
-        It may not when a term newer than the token's began (its epoch is
+        It may not when a term newer than ``epoch`` began (its epoch is
         higher). When nobody leads the role right now, no newer term is known
         and it may. On any doubt it may not (``certain=False``).
         """
         highest = self.highest_epoch(role)
-        if token.epoch < highest:
+        if epoch < highest:
             return DispatchCheck(
                 True,
                 False,
                 role=role,
-                token=token,
+                epoch=epoch,
                 current_epoch=highest,
-                reason=f"dispatched under epoch {token.epoch}; a newer term ({highest}) began",
+                reason=f"dispatched under epoch {epoch}; a newer term ({highest}) began",
             )
         try:
             current = self.current_epoch(role)
@@ -189,60 +201,74 @@ class DispatchFence:
                 False,
                 certain=False,
                 role=role,
-                token=token,
+                epoch=epoch,
                 reason=f"the current term of {role!r} could not be read: {exc}",
             )
-        if current is not None and current > token.epoch:
+        if current is not None and current > epoch:
             return DispatchCheck(
                 True,
                 False,
                 role=role,
-                token=token,
+                epoch=epoch,
                 current_epoch=current,
-                reason=f"dispatched under epoch {token.epoch}; the current term is {current}",
+                reason=f"dispatched under epoch {epoch}; the current term is {current}",
             )
-        return DispatchCheck(True, True, role=role, token=token, current_epoch=current)
+        return DispatchCheck(True, True, role=role, epoch=epoch, current_epoch=current)
 
 
 def check_dispatch_token(request: Any, app: Any) -> DispatchCheck:
-    """Check the beat token a task message carries against its role's current term.
+    """Check the beat epoch a task message carries against its role's current term.
 
     The worker-side half of the fence, for the integration to call before a
     task runs (``Task.before_start``, or a task's first line). One KV read per
     fenced message; messages without the header are not beat dispatches and
-    pass.
+    pass. The epoch comes from the ``nats_leader_epoch`` header, or from the
+    token header of a message queued by an older version.
 
     Args:
         request: The task's request (``task.request``).
         app: The Celery app (for the ``nats_leader_*`` settings).
 
     Returns:
-        The verdict: ``ok`` is ``False`` when the token's term is older than
-        the current one, malformed, or (``certain=False``) unverifiable.
+        The verdict: ``ok`` is ``False`` when the message's term is older than
+        the current one, its epoch malformed, or (``certain=False``) unverifiable.
 
     """
     headers = _request_headers(request)
-    raw = headers.get(TOKEN_HEADER)
-    if raw is None:
+    raw_epoch = headers.get(EPOCH_HEADER)
+    raw_token = headers.get(TOKEN_HEADER)
+    if raw_epoch is None and raw_token is None:
         return DispatchCheck(False, True, reason="not dispatched by a leader scheduler")
     settings = settings_of_app(app)
     role = str(headers.get(ROLE_HEADER) or settings.beat_role)
     try:
-        token = FencingToken.from_header(str(raw))
+        if raw_epoch is not None:
+            epoch = _parse_epoch(raw_epoch)
+        else:
+            epoch = FencingToken.from_header(str(raw_token)).epoch
     except RecordFormatError as exc:
-        return DispatchCheck(True, False, role=role, reason=f"malformed token header: {exc}")
-    return DispatchFence.for_settings(settings).check(role, token)
+        return DispatchCheck(True, False, role=role, reason=f"malformed epoch header: {exc}")
+    return DispatchFence.for_settings(settings).check(role, epoch)
+
+
+def _parse_epoch(raw: Any) -> int:
+    """An epoch header's value (an int, or its decimal text after a string-only transport)."""
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw > 0:
+        return raw
+    if isinstance(raw, str) and raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    raise RecordFormatError(f"not an epoch: {str(raw)[:20]!r}")
 
 
 def enforce_dispatch_token(task: Any, *, retry_countdown: float = 1.0) -> DispatchCheck:
     """Refuse to run ``task`` if it was dispatched under an ended beat term.
 
-    * stale or malformed token: logged at WARNING, the task is ignored
+    * stale or malformed epoch: logged at WARNING, the task is ignored
       (:class:`celery.exceptions.Ignore`: acknowledged, not run, not retried);
     * the term could not be read: the task is retried after
       ``retry_countdown`` seconds (a new message with the same headers), so
       nothing is lost while NATS is unreachable;
-    * no token (not a beat dispatch) or a current one: it runs.
+    * no epoch (not a beat dispatch) or a current one: it runs.
 
     Args:
         task: The bound task (``self`` in a ``bind=True`` task).
@@ -252,7 +278,7 @@ def enforce_dispatch_token(task: Any, *, retry_countdown: float = 1.0) -> Dispat
         The verdict, when the task may run.
 
     Raises:
-        Ignore: The token's term has ended.
+        Ignore: The message's term has ended.
         Retry: The term could not be read.
 
     """
@@ -262,7 +288,7 @@ def enforce_dispatch_token(task: Any, *, retry_countdown: float = 1.0) -> Dispat
     headers = _request_headers(task.request)
     if not verdict.certain:
         logger.warning(
-            "%s[%s]: cannot check its beat token yet (%s); retrying in %gs",
+            "%s[%s]: cannot check its beat epoch yet (%s); retrying in %gs",
             task.name,
             task.request.id,
             verdict.reason,
@@ -283,12 +309,12 @@ def enforce_dispatch_token(task: Any, *, retry_countdown: float = 1.0) -> Dispat
 class FencedBeatTask(Task):  # type: ignore[misc]  # Celery is untyped
     """Task base that refuses messages sent by a beat scheduler whose term ended.
 
-    ``@app.task(base=FencedBeatTask)``: before the body runs, the beat token
+    ``@app.task(base=FencedBeatTask)``: before the body runs, the beat epoch
     in the message is checked against KV (see :func:`enforce_dispatch_token`).
-    Tasks sent without a token (not by a leader scheduler) run as usual.
+    Tasks sent without one (not by a leader scheduler) run as usual.
     """
 
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
-        """Check the message's beat token before the body runs."""
+        """Check the message's beat epoch before the body runs."""
         enforce_dispatch_token(self)
         super().before_start(task_id, args, kwargs)

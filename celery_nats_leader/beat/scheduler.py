@@ -35,10 +35,11 @@ from celery_nats_leader.beat.election import SCHEDULER_META_KEY, BeatElection
 from celery_nats_leader.beat.fence import (
     DISPATCHER_HEADER,
     ENTRY_HEADER,
+    EPOCH_HEADER,
+    ONCE_HEADER,
     ROLE_HEADER,
     RUN_HEADER,
     TICK_HEADER,
-    TOKEN_HEADER,
 )
 from celery_nats_leader.beat.metrics import TickMetrics
 from celery_nats_leader.beat.state import EntryState
@@ -658,20 +659,34 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         """Publish one committed tick through Celery's ``apply_async`` hook."""
         role = self.nats_leader_election.config.role
         slot = slot_text(committed.slot)
-        headers = {
-            TOKEN_HEADER: token.to_header(),
+        options = dict(entry.options or {})
+        own_headers = dict(options.get("headers") or {})
+        task_id = tick_task_id(
+            self.nats_leader_settings.beat_state_bucket, role, committed.entry, slot
+        )
+        # Run once on the workers unless opted out (the settings, the entry's
+        # options or, for database rows, the entry's headers), and only under
+        # our per-tick id: an id the entry fixes is the same for every tick.
+        opted_out = _opts_out(options.pop(ONCE_HEADER, None)) or _opts_out(
+            own_headers.get(ONCE_HEADER)
+        )
+        options.setdefault("task_id", task_id)
+        once = (
+            self.nats_leader_settings.beat_once and not opted_out and options["task_id"] == task_id
+        )
+        # The epoch, not the token: the token is the term's secret, and
+        # headers end up in logs and brokers. The worker-side check needs the
+        # epoch only; the dispatcher's instance id says who sent it.
+        options["headers"] = {
+            **own_headers,
+            EPOCH_HEADER: token.epoch,
             ROLE_HEADER: role,
             ENTRY_HEADER: committed.entry,
             TICK_HEADER: slot,
             RUN_HEADER: committed.runs,
             DISPATCHER_HEADER: self.instance_id,
+            ONCE_HEADER: once,
         }
-        options = dict(entry.options or {})
-        options["headers"] = {**(options.get("headers") or {}), **headers}
-        options.setdefault(
-            "task_id",
-            tick_task_id(self.nats_leader_settings.beat_state_bucket, role, committed.entry, slot),
-        )
         # Send a shallow clone carrying this tick's options: the entry itself
         # may be persisted (shelve, database) and must not keep them. No
         # __reduce__ (ModelEntry cannot be rebuilt that way): copy the fields.
@@ -692,6 +707,11 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             token.epoch,
             getattr(result, "id", options["task_id"]),
         )
+
+
+def _opts_out(value: Any) -> bool:
+    """Whether an entry's ``nats_leader_once`` option or header turns the once-guard off."""
+    return value is not None and str(value).strip().lower() in {"false", "0", "no", "off"}
 
 
 @dataclass(frozen=True)

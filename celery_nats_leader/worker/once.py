@@ -27,8 +27,9 @@ Before the body runs the worker claims the id in KV (two round trips):
   nothing is dropped).
 
 After the body: success and failure are recorded as done (as Celery
-acknowledges a failed task, a failed run is not run again); ``Retry`` and
-``Reject`` release the claim so the retry can run. A worker that dies in the
+acknowledges a failed task, a failed run is not run again); ``Retry``,
+``Reject`` and ``Ignore`` raised by the body release the claim so that the
+retry, the requeued message or the replacement can run. A worker that dies in the
 body records nothing: its lease expires and a redelivery (``acks_late`` with
 ``task_reject_on_worker_lost``) or a duplicate runs it again.
 
@@ -76,6 +77,8 @@ T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
 _MARK = "__nats_leader_once__"
+#: Request attribute: this request's id is claimed by the running guard.
+_CLAIMED = "_nats_leader_once_claimed"
 
 
 class OnceService:
@@ -247,7 +250,9 @@ def run_task_once(task: Any, call: Callable[[], T]) -> T:
         Retry: Another run holds the id, or NATS could not be asked.
 
     """
-    if not _guarded(task):
+    if not _guarded(task) or getattr(task.request, _CLAIMED, False):
+        # Already claimed for this request (a beat tick's guard around an
+        # OnceTask or @run_once body): claiming again would find our own lease.
         return call()
     service = OnceService.for_settings(settings_of_app(task.app))
     task_id = str(task.request.id)
@@ -281,10 +286,13 @@ def run_task_once(task: Any, call: Callable[[], T]) -> T:
         raise task.retry(countdown=retry_in, max_retries=_one_more(task))
     # The renewal stops before the outcome is written (it must not move the
     # lease's revision under the final delete).
+    setattr(task.request, _CLAIMED, True)
     try:
         with service.renewing(claim) as current:
             result = call()
-    except (Retry, Reject):
+    except (Retry, Reject, Ignore):
+        # Not a finished run: a retry, a requeue, a copy forwarded or a
+        # replacement (Task.replace keeps the id) must be able to run it.
         _settle(service, lambda guard: guard.release(current[0]))
         raise
     except Exception:

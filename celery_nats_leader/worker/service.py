@@ -34,6 +34,7 @@ from celery_nats_leader.probes import ProbeServer
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 from celery_nats_leader.worker import state as worker_state
+from celery_nats_leader.worker.beat_once import guard_beat_ticks
 from celery_nats_leader.worker.broker_wake import wake_consumer
 from celery_nats_leader.worker.leader_services import on_own_thread, registered_services
 from celery_nats_leader.worker.signals import leader_demoted, leader_promoted
@@ -153,6 +154,9 @@ class LeaderService:
           leading.
         * Leader-only tasks get ``acks_late`` and ``reject_on_worker_lost``,
           which the requeue policy relies on.
+        * Every task runs the ticks our beat schedulers send once
+          (:mod:`~celery_nats_leader.worker.beat_once`), unless
+          ``nats_leader_beat_once`` is ``False``.
         """
         queues = self.app.amqp.queues
         standing = [
@@ -169,6 +173,8 @@ class LeaderService:
             )
             queues.deselect(standing)
         upgrade_tasks(self.app)
+        if self.settings.beat_once:
+            guard_beat_ticks(self.app)
         for task, role in leader_tasks(self.app):
             if role not in self.roles:
                 logger.warning(

@@ -21,7 +21,7 @@ from typing import Any
 from celery import shared_task
 
 from celery_nats_leader import FencingToken, leader_only
-from celery_nats_leader.beat import ENTRY_HEADER, RUN_HEADER, TICK_HEADER, TOKEN_HEADER
+from celery_nats_leader.beat import ENTRY_HEADER, EPOCH_HEADER, RUN_HEADER, TICK_HEADER
 from django_nats_leader.fencing import fenced
 
 logger = logging.getLogger(__name__)
@@ -48,14 +48,14 @@ def tick(self: Any, leader_token: FencingToken | None = None) -> int:
 
     request = self.request
     slot_text = _header(request, TICK_HEADER)
-    dispatch = _header(request, TOKEN_HEADER)
+    dispatch = _header(request, EPOCH_HEADER)
     run = _header(request, RUN_HEADER)
     with fenced(ROLE, leader_token, holder=str(request.hostname)):
         row = Tick.objects.create(
             entry=str(_header(request, ENTRY_HEADER) or self.name),
             slot=datetime.fromisoformat(slot_text) if slot_text else None,
             run=int(run) if run is not None else None,
-            dispatch_epoch=FencingToken.from_header(dispatch).epoch if dispatch else None,
+            dispatch_epoch=int(dispatch) if dispatch is not None else None,
             leader_epoch=leader_token.epoch if leader_token else 0,
             worker=str(request.hostname),
             pid=os.getpid(),

@@ -31,12 +31,13 @@ from celery.exceptions import Ignore
 from celery.schedules import crontab, schedule
 from cnl_beat_ledger import BeatLedger
 
+from celery_nats_leader import install
 from celery_nats_leader.beat import (
     DISPATCHER_HEADER,
     ENTRY_HEADER,
+    EPOCH_HEADER,
     RUN_HEADER,
     TICK_HEADER,
-    TOKEN_HEADER,
     FencedBeatTask,
     check_dispatch_token,
 )
@@ -76,14 +77,14 @@ def beat_schedule(entries: list[dict[str, Any]], task: str, queue: str) -> dict[
         found[spec["name"]] = {
             "task": spec.get("task", task),
             "schedule": sched,
-            "options": {"queue": queue},
+            "options": {"queue": queue, **spec.get("options", {})},
         }
     return found
 
 
 def _headers(request: Any) -> dict[str, Any]:
     found = dict(request.headers or {}) if isinstance(request.headers, dict) else {}
-    for name in (TOKEN_HEADER, ENTRY_HEADER, TICK_HEADER, RUN_HEADER, DISPATCHER_HEADER):
+    for name in (EPOCH_HEADER, ENTRY_HEADER, TICK_HEADER, RUN_HEADER, DISPATCHER_HEADER):
         if name not in found and getattr(request, name, None) is not None:
             found[name] = getattr(request, name)
     return found
@@ -91,13 +92,13 @@ def _headers(request: Any) -> dict[str, Any]:
 
 def _record(ledger: BeatLedger, task: Any) -> None:
     headers = _headers(task.request)
-    token = headers.get(TOKEN_HEADER)
+    epoch = headers.get(EPOCH_HEADER)
     ledger.run(
         task=task.name,
         task_id=task.request.id,
         entry=headers.get(ENTRY_HEADER),
         tick=headers.get(TICK_HEADER),
-        epoch=int(str(token).split(":", 1)[0]) if token else None,
+        epoch=int(epoch) if epoch is not None else None,
         dispatcher=headers.get(DISPATCHER_HEADER),
         run=headers.get(RUN_HEADER),
     )
@@ -192,6 +193,10 @@ def make_app(config: dict[str, Any]) -> Celery:
             config.get("entries", []), "cnl_beat.record", config["queue"]
         )
     ledger = BeatLedger(config["ledger"])
+    if config.get("bootstep"):
+        # The worker runs the election bootstep (campaigning for the
+        # "default" role), which also runs every beat tick once.
+        install(app)
     if config.get("kill_points") and "beat" in sys.argv:
         install_kill_points(config["kill_points"])
 
@@ -221,7 +226,7 @@ def make_app(config: dict[str, Any]) -> Celery:
                     task_id=task_id,
                     entry=headers.get(ENTRY_HEADER),
                     tick=headers.get(TICK_HEADER),
-                    token=headers.get(TOKEN_HEADER),
+                    token=headers.get(EPOCH_HEADER),
                     reason=verdict.reason,
                 )
                 raise
@@ -268,6 +273,16 @@ def make_app(config: dict[str, Any]) -> Celery:
         while os.path.exists(hold):
             time.sleep(0.02)
         ledger.run(task="plain_hold:end", task_id=self.request.id)
+
+    @app.task(shared=False, bind=True, base=OnceTask, name="cnl_beat.once_forward")
+    def once_forward(self: Any, forwarded: bool = False) -> None:
+        # Hands its message on under the same id and lets this copy go
+        # (Ignore), as @leader_only's forward and Task.replace do.
+        if not forwarded:
+            ledger.run(task="once_forward:handed-on", task_id=self.request.id)
+            self.apply_async(kwargs={"forwarded": True}, task_id=self.request.id)
+            raise Ignore()
+        ledger.run(task="once_forward:ran", task_id=self.request.id)
 
     app.cnl_ledger = ledger  # type: ignore[attr-defined]
     return app

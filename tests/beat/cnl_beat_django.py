@@ -57,6 +57,7 @@ def setup() -> None:
             name=spec["name"],
             task=spec.get("task", "cnl_beat.record"),
             queue=config["queue"],
+            headers=json.dumps(spec.get("headers", {})),
             **schedule,
         )
 

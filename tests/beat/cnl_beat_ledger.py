@@ -3,7 +3,7 @@
 Every execution of a periodic task records the tick it was dispatched for
 (entry, slot), the term that dispatched it (epoch, dispatcher id), the
 executing process and when it ran. Fenced tasks that were refused are
-recorded too.
+recorded too (the ``token`` column holds the epoch header they carried).
 
 Times: ``wall`` is ``time.time()`` (to compare with slots, which are wall
 times; all processes run on this one host) and ``mono`` is

@@ -1,10 +1,11 @@
 """The worker-side fence: a task sent under an ended beat term does not run (opt-in).
 
-Tasks built on ``FencedBeatTask`` check the beat token in their message
+Tasks built on ``FencedBeatTask`` check the beat epoch in their message
 against the beat role's current term (one KV read) before the body runs.
 Three beat replicas dispatch such a task every second; after a failover,
-messages carrying the old term's token are refused, messages carrying the
-current one run, and messages without a token (not beat dispatches) run.
+messages carrying the old term's epoch are refused (also in the token header
+of messages queued by older versions), messages carrying the current one run,
+and messages without one (not beat dispatches) run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import pytest
 from cnl_beat_app import make_app
 from cnl_beat_harness import BeatCluster, wait_for
 
-from celery_nats_leader.beat import ENTRY_HEADER, ROLE_HEADER, TICK_HEADER, TOKEN_HEADER
+from celery_nats_leader.beat import (
+    ENTRY_HEADER,
+    EPOCH_HEADER,
+    ROLE_HEADER,
+    TICK_HEADER,
+    TOKEN_HEADER,
+)
 from celery_nats_leader.token import FencingToken
 
 pytestmark = [pytest.mark.integration, pytest.mark.celery, pytest.mark.timeout(180)]
@@ -46,13 +53,13 @@ def test_stale_term_refused_current_and_unfenced_run(
 
     client = make_app(cluster.config)
     try:
-        stale = FencingToken(first.epoch, first.token).to_header()
-        current = FencingToken(second.epoch, second.token).to_header()
+        legacy_stale = FencingToken(first.epoch, first.token).to_header()
         sent = {}
         for label, headers in {
-            "stale": {TOKEN_HEADER: stale, ROLE_HEADER: "beat"},
-            "current": {TOKEN_HEADER: current, ROLE_HEADER: "beat"},
-            "malformed": {TOKEN_HEADER: "not-a-token", ROLE_HEADER: "beat"},
+            "stale": {EPOCH_HEADER: first.epoch, ROLE_HEADER: "beat"},
+            "current": {EPOCH_HEADER: second.epoch, ROLE_HEADER: "beat"},
+            "legacy-stale": {TOKEN_HEADER: legacy_stale, ROLE_HEADER: "beat"},
+            "malformed": {EPOCH_HEADER: "not-an-epoch", ROLE_HEADER: "beat"},
             "unfenced": {},
         }.items():
             task_id = str(uuid.uuid4())
@@ -76,10 +83,10 @@ def test_stale_term_refused_current_and_unfenced_run(
     ran = {r.task_id for r in cluster.ledger.runs("cnl_beat.fenced")}
     refusals = {row[1]: row for row in cluster.ledger.refusals()}
     assert sent["current"] in ran and sent["unfenced"] in ran
-    assert sent["stale"] in refusals and sent["stale"] not in ran
-    assert (
-        "newer term" in refusals[sent["stale"]][5] or "current term" in refusals[sent["stale"]][5]
-    )
+    for label in ("stale", "legacy-stale"):
+        assert sent[label] in refusals and sent[label] not in ran, label
+        reason = refusals[sent[label]][5]
+        assert f"dispatched under epoch {first.epoch}" in reason, reason
     assert sent["malformed"] in refusals and sent["malformed"] not in ran
     # Beat's own dispatches of the current term run.
     beat_runs = [r for r in cluster.ledger.runs("cnl_beat.fenced") if r.entry == ENTRIES[0]["name"]]
@@ -89,4 +96,4 @@ def test_stale_term_refused_current_and_unfenced_run(
     # price of the fence): never a tick of the current term.
     for row in refusals.values():
         if row[2] == ENTRIES[0]["name"]:
-            assert row[4] is not None and FencingToken.from_header(row[4]).epoch == first.epoch
+            assert row[4] is not None and int(row[4]) == first.epoch

@@ -45,7 +45,9 @@ def _stopped(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "T"
 
 
-def kill_at_every_point(cluster: BeatCluster, rounds: int = ROUNDS) -> dict[str, int]:
+def kill_at_every_point(
+    cluster: BeatCluster, rounds: int = ROUNDS, points: tuple[str, ...] = POINTS
+) -> dict[str, int]:
     """Stop the active scheduler at each point in turn and SIGKILL it there.
 
     Returns:
@@ -54,10 +56,10 @@ def kill_at_every_point(cluster: BeatCluster, rounds: int = ROUNDS) -> dict[str,
     """
     folder = Path(cluster.config["kill_points"])
     dead: list[Proc] = []
-    killed = dict.fromkeys(POINTS, 0)
+    killed = dict.fromkeys(points, 0)
     leader = cluster.wait_leader()
     cluster.wait_runs_by(leader.epoch, 1)
-    for point in POINTS * rounds:
+    for point in points * rounds:
         (folder / point).touch()
 
         def claimed(point: str = point) -> list[Path]:

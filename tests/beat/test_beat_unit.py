@@ -24,7 +24,10 @@ from celery.schedules import crontab, schedule
 
 from celery_nats_leader.backend import KVEntry
 from celery_nats_leader.beat import (
+    DISPATCHER_HEADER,
     ENTRY_HEADER,
+    EPOCH_HEADER,
+    ONCE_HEADER,
     RUN_HEADER,
     TICK_HEADER,
     TOKEN_HEADER,
@@ -331,6 +334,32 @@ def leader_and_follower(make: Any) -> tuple[MemoryScheduler, MemoryScheduler]:
     return a, b
 
 
+@pytest.mark.parametrize(
+    ("conf", "options", "once"),
+    [
+        ({}, {}, True),
+        ({}, {ONCE_HEADER: False}, False),
+        ({}, {"headers": {ONCE_HEADER: False}}, False),  # a database row's headers
+        ({}, {"headers": {ONCE_HEADER: "false"}}, False),
+        ({"nats_leader_beat_once": False}, {}, False),
+        ({}, {"task_id": "fixed"}, False),  # the same id every tick: not a tick's identity
+    ],
+    ids=["default", "entry-option", "entry-header", "entry-header-text", "setting", "own-id"],
+)
+def test_ticks_are_marked_run_once_unless_opted_out(
+    make: Any, clock: ManualNow, conf: dict[str, Any], options: dict[str, Any], once: bool
+) -> None:
+    a = make("a", **conf)
+    a.schedule["ten-seconds"].options.update(options)
+    assert a.tick() > 0
+    clock.advance(10)
+    assert a.tick() == 0.0
+    [sent] = a.sent
+    assert sent.headers[ONCE_HEADER] is once
+    # Our option never reaches Celery's apply_async (it would become a message property).
+    assert ONCE_HEADER not in sent.options
+
+
 def test_a_follower_tick_reads_and_writes_nothing(make: Any, server: MemoryServer) -> None:
     a, b = leader_and_follower(make)
     assert a.tick() >= 0  # the leader anchors its entry
@@ -362,7 +391,11 @@ def test_each_tick_dispatched_once_with_its_identity(make: Any, clock: ManualNow
     [sent] = a.sent
     assert sent.tick == anchor + timedelta(seconds=10)
     token = a.beat_role.token if a.beat_role else None
-    assert token is not None and sent.headers[TOKEN_HEADER] == token.to_header()
+    # The term's epoch and who sent it; never the token, a secret of the term.
+    assert token is not None and sent.headers[EPOCH_HEADER] == token.epoch
+    assert sent.headers[DISPATCHER_HEADER] == "unit-a" and TOKEN_HEADER not in sent.headers
+    assert token.value not in repr(sent.options)
+    assert sent.headers[ONCE_HEADER] is True
     assert sent.headers[ENTRY_HEADER] == "ten-seconds" and sent.headers[RUN_HEADER] == 1
     assert sent.options["task_id"] == tick_task_id(
         "leaders_beat", "beat", "ten-seconds", slot_text(sent.tick)
@@ -617,3 +650,6 @@ def test_dispatch_check_without_io_for_unfenced_and_malformed() -> None:
     assert verdict.ok and not verdict.fenced
     verdict = check_dispatch_token(Request({TOKEN_HEADER: "nope"}), app)
     assert not verdict.ok and verdict.fenced and "malformed" in verdict.reason
+    for bad in ("nope", "-3", 0, True, "12:abc"):
+        verdict = check_dispatch_token(Request({EPOCH_HEADER: bad}), app)
+        assert not verdict.ok and verdict.fenced and "malformed" in verdict.reason, bad

@@ -116,3 +116,27 @@ def test_a_run_killed_midway_runs_again_and_its_duplicate_never(
         results[task] = (len(starts()), len(ends()))
     assert results["plain_hold"] == (3, 2)  # Celery's acks_late: the body ran twice to the end
     assert results["once_hold"] == (2, 1)  # ours: interrupted once, then run once to the end
+
+
+def test_a_body_that_hands_its_message_on_lets_the_copy_run(
+    cluster_factory: Callable[..., BeatCluster], broker: Any
+) -> None:
+    # A guarded body that sends its message on under the same id and raises
+    # Ignore (a follower forwarding to the leader queue, Task.replace) did not
+    # finish a run: the claim is released and the copy runs, once.
+    cluster = cluster_factory(entries=[], extra=EXTRA)
+    app = make_app(cluster.config)
+    ids = [str(uuid.uuid4()) for _ in range(3)]
+    for task_id in ids:
+        app.send_task("cnl_beat.once_forward", task_id=task_id, queue=cluster.queue)
+    cluster.start_worker(pool="threads", concurrency=4)
+    wait_for(
+        lambda: len(cluster.ledger.runs("once_forward:ran")) == len(ids),
+        60,
+        "every handed-on copy to run",
+        cluster.diagnostics,
+    )
+    ledger = cluster.ledger
+    handed_on = collections.Counter(r.task_id for r in ledger.runs("once_forward:handed-on"))
+    ran = collections.Counter(r.task_id for r in ledger.runs("once_forward:ran"))
+    assert handed_on == dict.fromkeys(ids, 1) and ran == dict.fromkeys(ids, 1)

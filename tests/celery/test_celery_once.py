@@ -48,3 +48,45 @@ def test_leader_only_task_id_runs_once_with_the_guard(cluster_factory: Any) -> N
     # attempts show it); the guard runs each id once, on the leader.
     assert attempts("cnl.record") == dict.fromkeys(ids["plain"], copies)
     assert attempts("cnl.record_once") == dict.fromkeys(ids["once"], 1)
+
+
+def test_beat_tick_copies_run_once_on_a_worker_with_the_bootstep(cluster_factory: Any) -> None:
+    # Messages marked as our schedulers mark a tick (``nats_leader_once``),
+    # sent three times each under one id: the bootstep's guard runs each id
+    # once, for a task without the guard (``cnl.record``) as for one that
+    # guards itself (``cnl.record_once``: claimed once, not twice), in
+    # prefork children (the guard is installed before the fork).
+    from celery_nats_leader.beat import ENTRY_HEADER, ONCE_HEADER, TICK_HEADER
+
+    cluster: Cluster = cluster_factory(ttl=2.0, extra={"once_lease": 2.0})
+    worker = cluster.start_worker("w1", pool="prefork", concurrency=2)
+    cluster.wait_leader()
+    copies = 3
+    names = ("cnl.record", "cnl.record_once")
+    ids = {name: [str(uuid.uuid4()) for _ in range(3)] for name in names}
+    for _ in range(copies):
+        for base, (name, task_ids) in zip((200, 300), ids.items(), strict=True):
+            for seq, task_id in enumerate(task_ids):
+                headers = {
+                    ONCE_HEADER: True,
+                    ENTRY_HEADER: "manual",
+                    TICK_HEADER: f"2026-01-01T00:00:0{seq}+00:00",
+                }
+                cluster.send(name, base + seq, options={"task_id": task_id, "headers": headers})
+
+    def attempts(name: str) -> Counter[str]:
+        rows = cluster.ledger.rows("SELECT task_id FROM attempts WHERE name = ?", name)
+        return Counter(task_id for (task_id,) in rows)
+
+    duplicates = sum(len(task_ids) for task_ids in ids.values()) * (copies - 1)
+    wait_for(
+        lambda: (
+            worker.log().count("already ran (on ") == duplicates
+            and all(set(attempts(name)) == set(task_ids) for name, task_ids in ids.items())
+        ),
+        90,
+        f"{duplicates} copies acknowledged and every id run",
+        cluster.diagnostics,
+    )
+    for name, task_ids in ids.items():
+        assert attempts(name) == dict.fromkeys(task_ids, 1), name
