@@ -33,8 +33,10 @@ keeps its key until the key expires: up to one TTL in which nobody leads.
 What a fenced leader can overlap: a *paused* one none while it stays paused
 (it runs nothing), and when it resumes its ``is_leader`` is ``False`` once
 its lease deadline passed (``TTL - lease_margin`` after its last confirmed
-renewal, on its own monotonic clock), else until its watch delivers the
-marker (milliseconds) or its next renewal fails (at most one heartbeat). A
+renewal, on its own monotonic clock), else until it reads the pending
+request (which asks it to confirm its term against the key first:
+``"verify": true``) or its watch delivers the marker (milliseconds), at the
+latest when its next renewal fails (one heartbeat). A
 leader that is alive but did not answer (its connection to NATS is down, or
 its control subscription is gone) keeps ``is_leader`` until the marker
 reaches it or its lease deadline, whichever comes first: at most
