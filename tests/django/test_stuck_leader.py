@@ -86,6 +86,11 @@ def test_fence_ends_the_frozen_term_and_raises_the_database_fence(
     group, follower, epoch = frozen
     leader = "a"
     doc = json.loads(run("election_fence", ROLE, "--json"))
+    # Asked first: a frozen leader cannot answer, so it was fenced, and the output says so.
+    assert (doc["action"], doc["reason"]) == (
+        "fenced",
+        "it did not answer a request to hand over within 1s",
+    )
     assert doc["fenced"] == {"id": leader, "epoch": epoch}
     assert doc["new_leader"]["id"] == follower
     assert doc["revision"] > epoch
