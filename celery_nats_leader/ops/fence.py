@@ -316,21 +316,27 @@ async def fence_leader(
             except RevisionMismatchError:
                 # Written since we read it: a renewal of the same term (fence
                 # that term at its new revision), its release, or another term.
-                released = key.released(observed)
-                if accepted and released is not None:
-                    # It handed over after all, just later than the wait.
-                    return await _handed_over(
-                        key,
-                        role=role,
-                        target=target,
-                        released=released,
-                        requester=requester,
-                        asked_at=asked_at,
-                        wait=wait,
-                    )
                 entry = await kv.get(role, timeout=timeout)
                 current = _record(entry)
                 if entry is None or current is None or current.token != target.token:
+                    if accepted:
+                        # It handed over after all, just later than the wait;
+                        # its delete may not have come through the watch yet
+                        # (it comes before any successor's record).
+                        await key.until(
+                            time.monotonic() + timeout, lambda: key.released(observed) is not None
+                        )
+                        released = key.released(observed)
+                        if released is not None:
+                            return await _handed_over(
+                                key,
+                                role=role,
+                                target=target,
+                                released=released,
+                                requester=requester,
+                                asked_at=asked_at,
+                                wait=wait,
+                            )
                     raise NotLeaderError(
                         f"the term of role {role!r} (epoch {target.epoch}) ended meanwhile; "
                         "nothing fenced"

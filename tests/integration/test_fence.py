@@ -12,6 +12,7 @@ must fail when it runs again. Times are ``time.monotonic()`` of this host
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -19,6 +20,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
+from celery_nats_leader import DemoteReason, ElectionConfig, Elector
 from celery_nats_leader.errors import NotLeaderError
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.ops.fence import DEFAULT_HANDOVER_WAIT, fence_leader
@@ -213,3 +215,54 @@ async def test_a_live_leader_fenced_at_once_steps_down_and_sits_out(
     entry = await kv.get(ROLE)
     assert entry.value is not None
     assert decode_record(entry.value, int(entry.revision or 0)).id == "b"
+
+
+async def test_a_leader_still_in_its_demote_callbacks_is_fenced_when_the_wait_runs_out(
+    nats_server: NatsServer, fence_bucket: str, operator: Client
+) -> None:
+    """It agreed, but its demote callback outlasts ``handover_wait``: the fence ends the term.
+
+    Its ``is_leader`` was already false when the callback began; only the
+    callback overlaps the successor's term (docs/operating.md's table).
+    """
+    finish = threading.Event()
+    seen: list[tuple[bool, DemoteReason]] = []
+    electors = {name: Elector(nats_server.url, name=f"test-{name}") for name in ("a", "b")}
+    handles = {
+        name: elector.add_role(
+            ElectionConfig(role=ROLE, bucket=fence_bucket, ttl=FENCE_TTL, instance_id=name)
+        )
+        for name, elector in electors.items()
+    }
+
+    @handles["a"].on_demote
+    def slow(reason: DemoteReason) -> None:
+        seen.append((handles["a"].is_leader, reason))
+        finish.wait(10)
+
+    try:
+        await in_thread(electors["a"].start, timeout=10)
+        assert await in_thread(handles["a"].wait_for_leadership, 10)
+        await in_thread(electors["b"].start, timeout=10)
+        outcome = await fence_leader(
+            JetStreamBackend(operator),
+            fence_bucket,
+            ROLE,
+            requester="test",
+            wait=5,
+            handover_wait=0.2,
+        )
+        assert (outcome.action, outcome.reason) == (
+            "fenced",
+            "it agreed to hand over but had not released the key within 0.2s",
+        )
+        assert outcome.successor is not None and outcome.successor.id == "b"
+        assert await in_thread(handles["b"].wait_for_leadership, 5)
+        # "a" stopped leading before its callback ran, so before "b" led;
+        # the callback is still running now, in "b"'s term.
+        assert seen == [(False, DemoteReason.RESIGNED)]
+        assert not finish.is_set() and not handles["a"].is_leader
+    finally:
+        finish.set()
+        for elector in electors.values():
+            await in_thread(elector.stop)
