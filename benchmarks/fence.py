@@ -37,7 +37,10 @@ async def one_run(server: NatsServer, run: int) -> float:
             first = await asyncio.to_thread(group.wait_for, "promoted", timeout=TTL + 5)
             await asyncio.to_thread(group[first.name].pause)
             called = time.monotonic()
-            await fence_leader(backend, f"{BUCKET}{run}", ROLE, requester="bench", wait=0)
+            # handover_wait=0: the fence write itself, not the wait for a frozen leader's answer.
+            await fence_leader(
+                backend, f"{BUCKET}{run}", ROLE, requester="bench", wait=0, handover_wait=0
+            )
             others = {"a", "b", "c"} - {first.name}
             second = await asyncio.to_thread(group.wait_for, "promoted", others, timeout=TTL)
             await asyncio.to_thread(group[first.name].resume)

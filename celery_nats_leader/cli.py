@@ -8,7 +8,7 @@ the app's configuration::
     celery -A proj nats-leader resign reports    # ask the leader of "reports" to step down
     celery -A proj nats-leader resign reports --json  # ... and report the successor as JSON
     celery -A proj nats-leader bucket --create   # the KV buckets, with the configured TTL
-    celery -A proj nats-leader fence reports     # end a stuck leader's term now
+    celery -A proj nats-leader fence reports     # end the term now (hand-over, else fence)
     celery -A proj nats-leader events --follow   # every transition, as it happens
     celery -A proj nats-leader release           # hand over what this host leads (preStop)
 
@@ -59,7 +59,7 @@ from celery_nats_leader.ops.events import (
     show_events,
     stream_info,
 )
-from celery_nats_leader.ops.fence import request_fence
+from celery_nats_leader.ops.fence import DEFAULT_HANDOVER_WAIT, request_fence
 from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.ops.resign import outcome_lines, outcome_to_dict, request_resignation
 from celery_nats_leader.ops.status import RoleStatus, read_status
@@ -484,6 +484,14 @@ def release(ctx: click.Context, host: str | None, timeout: float) -> None:
     type=float,
     help="Seconds to wait for the new leader (default: the role's TTL; 0: no wait).",
 )
+@click.option(
+    "--handover-wait",
+    default=DEFAULT_HANDOVER_WAIT,
+    type=click.FloatRange(min=0),
+    show_default=True,
+    help="Seconds for a live leader to hand over on request before it is fenced "
+    "(0: fence at once, without asking).",
+)
 @click.option("--timeout", default=5.0, show_default=True, help="Seconds per NATS operation.")
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.pass_context
@@ -493,16 +501,20 @@ def fence(
     *,
     epoch: int | None,
     wait: float | None,
+    handover_wait: float,
     timeout: float,
     as_json: bool,
 ) -> None:
-    """End the current term of ROLE at once (a stuck or paused leader).
+    """End the current term of ROLE now: a clean hand-over, or a fence if the leader is stuck.
 
-    A conditional update at the observed revision replaces the leader's record
-    with a fence marker: every fenced check of the old term fails from then on,
-    and a live candidate takes the role in milliseconds instead of after the
-    TTL. A leader that is not stuck steps down within one heartbeat.
-    Exits 1 when nobody leads ROLE (or its term is not --epoch).
+    The leader is first asked to hand over (as ``resign`` does); a live leader
+    steps down before anyone else can lead, with no overlap. A leader that
+    does not answer within --handover-wait is fenced: a conditional update at
+    the observed revision replaces its record with a fence marker, every
+    fenced check of the old term fails from then on, and a live candidate
+    takes the role in milliseconds instead of after the TTL. The output says
+    which of the two happened ("action": "handed_over" or "fenced").
+    Exits 0 either way, 1 when nobody leads ROLE (or its term is not --epoch).
     """
     settings = _settings(ctx)
     _check_role(ctx, role)
@@ -516,6 +528,7 @@ def fence(
             timeout=timeout,
             wait=wait,
             requester=operator_name("celery nats-leader fence"),
+            handover_wait=handover_wait,
         )
     except NotLeaderError as exc:
         click.echo(f"Error: {exc}", err=True)
@@ -526,10 +539,7 @@ def fence(
     if as_json:
         click.echo(json.dumps(outcome.to_dict(), sort_keys=True))
     else:
-        click.echo(
-            f"fenced {outcome.fenced.id} (epoch {outcome.fenced.epoch}) at revision "
-            f"{outcome.revision}"
-        )
+        click.echo(outcome.describe())
         if outcome.successor is not None:
             took = outcome.promoted_after or 0.0
             click.echo(

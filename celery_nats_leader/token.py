@@ -9,8 +9,32 @@ a random UUID that tells two holders of the same key apart.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from celery_nats_leader.errors import RecordFormatError
+
+#: The smallest ALLCALL epoch. ALLCALL epochs are wall-clock milliseconds (at
+#: least this value: 2001-09-09); KV epochs are stream revisions, which stay
+#: below it (a bucket would need 10**12 writes). So an epoch alone says which
+#: strategy made it, and the two families are never ordered against each other.
+ALLCALL_EPOCH_FLOOR = 10**12
+
+
+def epoch_strategy(epoch: int) -> Literal["kv", "allcall"]:
+    """The strategy whose terms carry epochs like ``epoch``.
+
+    Epochs of different strategies are not comparable (a KV revision is
+    always far below an ALLCALL millisecond timestamp): a resource that
+    orders tokens must not order a KV term against an ALLCALL one.
+
+    Args:
+        epoch: A term's epoch.
+
+    Returns:
+        ``"allcall"`` for epochs at or above :data:`ALLCALL_EPOCH_FLOOR`, else ``"kv"``.
+
+    """
+    return "allcall" if epoch >= ALLCALL_EPOCH_FLOOR else "kv"
 
 
 @dataclass(frozen=True, order=True)

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db import DatabaseError
 from django.db.models import Model
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -69,10 +68,10 @@ ACTIONS = {
     ),
     "fence": (
         "Fence",
-        "The current term ends now, whatever the leader is doing: its fenced checks fail "
-        "from now on (the database fence is raised too) and a live candidate takes over "
-        "at once. Use it for a leader that does not answer. A leader that is not stuck "
-        "steps down within one heartbeat.",
+        "The current term ends now. The leader is first asked to hand over (a live leader "
+        "steps down before anyone else leads: no overlap); a leader that does not answer "
+        "within a second is fenced: its fenced checks fail from now on and a live candidate "
+        "takes over at once. The database fence is raised either way.",
     ),
 }
 
@@ -179,8 +178,7 @@ class ElectionStatusAdmin(_StatusAdminBase):
         # The commands' own functions: the page does exactly what they do.
         from celery_nats_leader.ops.resign import request_resignation
         from django_nats_leader.management.commands.election_fence import (
-            fence_role,
-            raise_database_fence,
+            fence_role_and_database,
         )
 
         who = getattr(request.user, "get_username", lambda: "?")()
@@ -203,16 +201,21 @@ class ElectionStatusAdmin(_StatusAdminBase):
                     + (f"; new leader {new.id} (epoch {new.epoch})." if new else "."),
                 )
             else:
-                fenced = fence_role(settings, role, epoch=None, timeout=STATUS_TIMEOUT, wait=2.0)
-                try:
-                    raise_database_fence(fenced)
-                except DatabaseError as exc:
-                    messages.warning(request, f"Database fence of {role} not raised: {exc}")
+                fenced, _, problem = fence_role_and_database(
+                    settings, role, epoch=None, timeout=STATUS_TIMEOUT, wait=2.0
+                )
+                if problem is not None:
+                    messages.warning(request, f"Database fence of {role} not raised: {problem}")
                 new = fenced.successor
+                term = f"{fenced.fenced.id} (epoch {fenced.fenced.epoch})"
+                text = (
+                    f"The leader {term} handed {role} over cleanly on request; nothing fenced"
+                    if fenced.handed_over
+                    else f"Fenced {term} from {role}: {fenced.reason}"
+                )
                 messages.success(
                     request,
-                    f"Fenced {fenced.fenced.id} (epoch {fenced.fenced.epoch}) from {role}"
-                    + (f"; new leader {new.id} (epoch {new.epoch})." if new else "."),
+                    text + (f"; new leader {new.id} (epoch {new.epoch})." if new else "."),
                 )
             logger.warning("admin: %s %s the leader of %r", who, action, role)
         except ElectionError as exc:

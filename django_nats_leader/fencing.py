@@ -31,6 +31,18 @@ every write of an epoch below ``n`` fails. A stale leader's write that
 commits *before* the successor's first fenced write is still accepted: its
 term was the newest the database had seen, which is all a fencing token can
 promise (Kleppmann, "How to do distributed locking").
+
+Epochs of the two strategies are not comparable: a KV epoch is a stream
+revision, an ALLCALL epoch a wall-clock millisecond count (~1.7e12,
+:func:`~celery_nats_leader.token.epoch_strategy` tells them apart). The fence
+never orders one against the other: a token of the other strategy than the
+one the role's fence was raised by is refused with
+:class:`StrategyChangedError`, in both directions. After moving a role from
+one strategy to the other (and stopping every process of the old one), an
+operator runs ``manage.py election_fence_reset ROLE``; nothing resets it
+silently, because a stray process of the old strategy would otherwise be
+ordered against the new one (an ALLCALL term would lock every KV term out
+for good; a KV term would pass as "older" with no meaning).
 """
 
 from __future__ import annotations
@@ -43,7 +55,7 @@ from typing import TYPE_CHECKING
 from django.db import router, transaction
 
 from celery_nats_leader.errors import LeadershipLostError
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.token import FencingToken, epoch_strategy
 
 if TYPE_CHECKING:
     from django_nats_leader.models import FenceEpoch
@@ -74,6 +86,35 @@ class StaleLeaderError(LeadershipLostError):
         self.role = role
         self.epoch = epoch
         self.current_epoch = current_epoch
+
+
+class StrategyChangedError(StaleLeaderError):
+    """Raised when a fenced write's epoch comes from another strategy than the role's fence.
+
+    The role's fence was raised by terms of one strategy (say ALLCALL, whose
+    epochs are millisecond timestamps) and the write carries a term of the
+    other (KV, whose epochs are revisions): the two cannot be ordered. The
+    message says what to run once the old strategy's processes are stopped.
+
+    Attributes:
+        fence_strategy: The strategy of the epoch in the database.
+        token_strategy: The strategy of the refused token's epoch.
+
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        role: str,
+        epoch: int,
+        current_epoch: int,
+        fence_strategy: str,
+        token_strategy: str,
+    ):
+        super().__init__(message, role=role, epoch=epoch, current_epoch=current_epoch)
+        self.fence_strategy = fence_strategy
+        self.token_strategy = token_strategy
 
 
 def _as_token(token: FencingToken | str | None, role: str) -> FencingToken:
@@ -143,6 +184,29 @@ def fenced(
             ignore_conflicts=True,
         )
         row = FenceEpoch.objects.using(db).select_for_update().get(role=role)
+        held, offered = epoch_strategy(row.epoch), epoch_strategy(fencing_token.epoch)
+        if held != offered:
+            logger.error(
+                "fence %r: refused a term of the %s strategy (epoch %d): the fence holds "
+                "an epoch of the %s strategy (%d)",
+                role,
+                offered,
+                fencing_token.epoch,
+                held,
+                row.epoch,
+            )
+            raise StrategyChangedError(
+                f"the database fence of role {role!r} holds epoch {row.epoch}, a term of the "
+                f"{held!r} strategy, and cannot order this {offered!r} term (epoch "
+                f"{fencing_token.epoch}) against it. If role {role!r} moved from {held} to "
+                f"{offered}: stop every {held} process of the role, then run "
+                f"'manage.py election_fence_reset {role}'",
+                role=role,
+                epoch=fencing_token.epoch,
+                current_epoch=row.epoch,
+                fence_strategy=held,
+                token_strategy=offered,
+            )
         if fencing_token.epoch < row.epoch:
             logger.warning(
                 "fence %r: rejected a write of epoch %d, epoch %d is newer",
@@ -182,4 +246,54 @@ def current_epoch(role: str, *, using: str | None = None) -> int | None:
     return None if row is None else row.epoch
 
 
-__all__ = ["TOKEN_PREFIX_CHARS", "StaleLeaderError", "current_epoch", "fenced"]
+def reset_fence(role: str, strategy: str, *, using: str | None = None) -> int | None:
+    """Forget the role's fence epoch if it was raised by another strategy than ``strategy``.
+
+    For a role that moved from one election strategy to the other. The next
+    fenced write of ``strategy`` sets the fence again. A fence already of
+    ``strategy`` is never lowered (that would let its stale leaders write).
+
+    Args:
+        role: The role.
+        strategy: The role's strategy now (``"kv"`` or ``"allcall"``).
+        using: The database alias; default the router's choice.
+
+    Returns:
+        The epoch forgotten, or ``None`` when the role had no fence row.
+
+    Raises:
+        ValueError: The fence already holds an epoch of ``strategy``.
+
+    """
+    from django_nats_leader.models import FenceEpoch
+
+    db = _database(using)
+    with transaction.atomic(using=db):
+        row = FenceEpoch.objects.using(db).select_for_update().filter(role=role).first()
+        if row is None:
+            return None
+        if epoch_strategy(row.epoch) == strategy:
+            raise ValueError(
+                f"the database fence of role {role!r} holds epoch {row.epoch}, already a "
+                f"{strategy!r} term: lowering it would let stale leaders write; nothing changed"
+            )
+        forgotten: int = row.epoch
+        row.delete()
+    logger.warning(
+        "fence %r: forgot epoch %d (%s) for the %s strategy",
+        role,
+        forgotten,
+        epoch_strategy(forgotten),
+        strategy,
+    )
+    return forgotten
+
+
+__all__ = [
+    "TOKEN_PREFIX_CHARS",
+    "StaleLeaderError",
+    "StrategyChangedError",
+    "current_epoch",
+    "fenced",
+    "reset_fence",
+]

@@ -799,6 +799,12 @@ class BaseElection(abc.ABC):
         if not isinstance(body, dict):
             body = {}
         leading = self.is_leader
+        if leading and body.get("verify") is True:
+            # A fence asks first and ends the term itself when nobody answers
+            # in time; a leader that was paused reads the request only when it
+            # runs again, maybe after the fence: confirm the term first, so it
+            # steps down as fenced rather than "resign" a term it lost.
+            leading = await self.validate_token()
         priority = body.get("priority")
         accepted = leading
         if leading and isinstance(priority, int) and priority <= self.config.priority:

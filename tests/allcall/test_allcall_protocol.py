@@ -20,6 +20,7 @@ from celery_nats_leader.election.allcall_protocol import (
     new_epoch,
     rank_of,
 )
+from celery_nats_leader.token import ALLCALL_EPOCH_FLOOR
 
 SKEW = 1.0
 
@@ -163,4 +164,5 @@ def test_a_renewed_incumbent_is_never_weaker(a: Claim, b: Claim, skew: float, bu
 def test_new_epochs_exceed_everything_heard_and_follow_the_wall_clock() -> None:
     assert new_epoch(1700000000.1234, 0) == 1700000000123
     assert new_epoch(1700000000.1234, 1700000005000) == 1700000005001
-    assert new_epoch(0.0, 0) == 1
+    # Never below the floor that tells ALLCALL epochs from KV revisions, whatever the clock.
+    assert new_epoch(0.0, 0) == ALLCALL_EPOCH_FLOOR == 10**12

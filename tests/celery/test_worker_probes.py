@@ -72,7 +72,10 @@ def test_worker_serves_health_and_readiness_beside_metrics(cluster_factory: Any)
     async def fence() -> None:
         nc = await connect(ConnectOptions.build(cluster.config["nats_url"]), timeout=5)
         try:
-            await fence_leader(JetStreamBackend(nc), bucket, role, requester="test")
+            # Fenced at once: a live leader asked first would hand over instead.
+            await fence_leader(
+                JetStreamBackend(nc), bucket, role, requester="test", handover_wait=0
+            )
         finally:
             await nc.close()
 

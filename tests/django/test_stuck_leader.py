@@ -18,8 +18,12 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
+from celery_nats_leader.ops.fence import FenceOutcome
 from celery_nats_leader.testing import CandidateGroup, NatsServer
 from django_nats_leader.fencing import StaleLeaderError, current_epoch, fenced
+from django_nats_leader.management.commands import election_fence
+from tests.django.conftest import Candidates, require_postgres
+from tests.django.test_admin_operations import URL, operator
 
 pytestmark = pytest.mark.integration
 
@@ -82,6 +86,11 @@ def test_fence_ends_the_frozen_term_and_raises_the_database_fence(
     group, follower, epoch = frozen
     leader = "a"
     doc = json.loads(run("election_fence", ROLE, "--json"))
+    # Asked first: a frozen leader cannot answer, so it was fenced, and the output says so.
+    assert (doc["action"], doc["reason"]) == (
+        "fenced",
+        "it did not answer a request to hand over within 1s",
+    )
     assert doc["fenced"] == {"id": leader, "epoch": epoch}
     assert doc["new_leader"]["id"] == follower
     assert doc["revision"] > epoch
@@ -142,3 +151,81 @@ def _status_json() -> str:
     with pytest.raises(CommandError):  # nobody leads a configured role: exit 1
         call_command("election_status", "--json", stdout=out, stderr=StringIO())
     return out.getvalue()
+
+
+class FenceRowsToPostgres:
+    """A database router: the fence's rows live in PostgreSQL (as a project would route them)."""
+
+    def db_for_read(self, model: Any, **hints: Any) -> str | None:
+        return "postgres" if model._meta.app_label == "django_nats_leader" else None
+
+    db_for_write = db_for_read
+
+
+@pytest.fixture
+def successor_writes_first(
+    nats_server: NatsServer, bucket: str, nats_leader: Any, settings: Any, monkeypatch: Any
+) -> Iterator[tuple[int, list[int]]]:
+    """A frozen leader "a" and a live follower "b" in this process whose first fenced
+    write lands right after the term ends and before the command raises the database fence
+    (``fence_role`` returns to the command only after it). Yields (a's epoch, b's writes).
+    """
+    require_postgres()
+    settings.DATABASE_ROUTERS = [FenceRowsToPostgres()]
+    nats_leader(TTL=TTL)
+    successors = Candidates(nats_server.url, bucket, TTL)
+    writes: list[int] = []
+    original = election_fence.fence_role
+
+    def fence_then_the_successor_writes(*args: Any, **kwargs: Any) -> FenceOutcome:
+        outcome = original(*args, **kwargs)
+        handle = successors.handle("b")
+        assert handle.wait_for_leadership(5)
+        token = handle.token
+        assert token is not None
+        with fenced(ROLE, token, holder="b"):
+            writes.append(token.epoch)
+        return outcome
+
+    monkeypatch.setattr(election_fence, "fence_role", fence_then_the_successor_writes)
+    with CandidateGroup(nats_server.url, role=ROLE, bucket=bucket, ttl=TTL) as group:
+        group.spawn("a", create_bucket=True)
+        first = group.wait_for("promoted", {"a"}, timeout=30)
+        group["a"].pause()
+        try:
+            successors.start("b")  # follows the frozen "a": its key lasts 30 s
+            yield first["epoch"], writes
+        finally:
+            group["a"].resume()
+            successors.stop()
+
+
+@pytest.mark.django_db(databases=["postgres"], transaction=True)
+def test_a_successor_that_writes_before_the_database_fence_is_success(
+    successor_writes_first: tuple[int, list[int]],
+) -> None:
+    epoch, writes = successor_writes_first
+    doc = json.loads(run("election_fence", ROLE, "--json"))
+    assert (doc["action"], doc["fenced"]) == ("fenced", {"id": "a", "epoch": epoch})
+    assert doc["new_leader"]["id"] == "b"
+    assert writes == [doc["new_leader"]["epoch"]]
+    # The successor's write raised the fence above the marker: the command reports it.
+    assert doc["database_epoch"] == writes[0] == current_epoch(ROLE) > doc["revision"] > epoch
+    with pytest.raises(StaleLeaderError), fenced(ROLE, f"{epoch}:old-term"):
+        pass
+
+
+@pytest.mark.django_db(databases=["default", "postgres"], transaction=True)
+def test_the_admin_says_fenced_when_the_successor_wrote_first(
+    successor_writes_first: tuple[int, list[int]], client: Any
+) -> None:
+    epoch, writes = successor_writes_first
+    operator(client, allowed=True)
+    response = client.post(URL + f"fence/{ROLE}/", follow=True)
+    text = response.content.decode()
+    assert "Could not fence" not in text
+    assert (
+        f"Fenced a (epoch {epoch}) from {ROLE}: it did not answer a request to hand over "
+        f"within 1s; new leader b (epoch {writes[0]})." in text
+    ), text
+    assert current_epoch(ROLE) == writes[0]

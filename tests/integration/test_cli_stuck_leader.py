@@ -101,6 +101,11 @@ def test_status_strict_and_fence_on_a_frozen_leader(
     fenced = cli(app_dir, "fence", ROLE, "--json")
     assert fenced.returncode == 0, fenced.stderr
     outcome = json.loads(fenced.stdout)
+    # Asked first; a frozen leader cannot answer, so it was fenced, and the output says so.
+    assert (outcome["action"], outcome["reason"]) == (
+        "fenced",
+        "it did not answer a request to hand over within 1s",
+    )
     assert outcome["fenced"] == {"id": "a", "epoch": epoch}
     assert outcome["new_leader"]["id"] == "b"
     assert outcome["promoted_after"] < 0.1
@@ -124,6 +129,27 @@ def test_status_strict_and_fence_on_a_frozen_leader(
     again = cli(app_dir, "fence", ROLE, "--epoch", str(epoch))
     assert again.returncode == 1
     assert f"not {epoch}; nothing fenced" in again.stderr
+
+
+def test_fence_on_a_live_leader_hands_over_cleanly(nats_server: NatsServer, app_dir: Path) -> None:
+    """A leader that answers hands over (no overlap) and the command says so, exit 0."""
+    with CandidateGroup(nats_server.url, role=ROLE, bucket=BUCKET, ttl=TTL) as group:
+        group.spawn("a")
+        first = group.wait_for("promoted", {"a"}, timeout=30)
+        group.spawn("b")
+        group.wait_for("leader", {"b"}, timeout=30, where=lambda e: e["leader_id"] == "a")
+
+        done = cli(app_dir, "fence", ROLE)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert lines[0] == (
+            f"a (epoch {first['epoch']}) handed {ROLE!r} over cleanly on request (nothing fenced)"
+        )
+        second = group.wait_for("promoted", {"b"}, timeout=5)
+        assert lines[1].startswith(f"new leader of {ROLE!r}: b (epoch {second['epoch']}) after ")
+        demoted = group.wait_for("demoted", {"a"}, timeout=5)
+        assert demoted["reason"] == "resigned"
+        assert demoted.at < second.at  # this host's monotonic clock: no overlap
 
 
 def test_release_hands_over_only_the_roles_led_from_this_host(

@@ -1,15 +1,18 @@
-"""Fencing a stuck leader (``nats-leader fence``) against a real nats-server.
+"""Fencing a leader (``nats-leader fence``) against a real nats-server.
 
-The leader is a child process frozen with SIGSTOP: it cannot renew, answer
-or step down. The fence ends its term by a conditional update at the
-revision observed; a live candidate must lead within milliseconds (not
-after the TTL), and the frozen leader's fenced check must fail when it
-runs again. Times are ``time.monotonic()`` of this host (the children's
-events use the same clock).
+The fence first asks the leader to hand over and waits ``handover_wait``; a
+live leader steps down before anyone else leads (no overlap). A leader that
+does not answer (a child process frozen with SIGSTOP: it cannot renew,
+answer or step down) is fenced: a conditional update at the revision
+observed ends its term; a live candidate must lead within milliseconds of
+the fence write (not after the TTL), and the frozen leader's fenced check
+must fail when it runs again. Times are ``time.monotonic()`` of this host
+(the children's events use the same clock).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -17,9 +20,10 @@ import nats
 import pytest
 from nats.aio.client import Client
 
+from celery_nats_leader import DemoteReason, ElectionConfig, Elector
 from celery_nats_leader.errors import NotLeaderError
 from celery_nats_leader.nats.jetstream import JetStreamBackend
-from celery_nats_leader.ops.fence import fence_leader
+from celery_nats_leader.ops.fence import DEFAULT_HANDOVER_WAIT, fence_leader
 from celery_nats_leader.record import decode_record
 from celery_nats_leader.testing import CandidateGroup, NatsServer
 from tests.integration.helpers import ROLE, SLACK, KeyHistory, create_bucket, in_thread
@@ -69,6 +73,7 @@ async def test_fencing_a_paused_leader_promotes_a_successor_at_once(
     await in_thread(group[first.name].pause)
 
     async with KeyHistory(operator, fence_bucket) as history:
+        called_at = time.monotonic()
         outcome = await fence_leader(
             JetStreamBackend(operator),
             fence_bucket,
@@ -85,6 +90,11 @@ async def test_fencing_a_paused_leader_promotes_a_successor_at_once(
     assert outcome.promoted_after < PROMOTION_BOUND, f"{outcome.promoted_after * 1000:.1f} ms"
     assert (outcome.fenced.id, outcome.fenced.epoch) == (first.name, first["epoch"])
     assert (outcome.successor.id, outcome.successor.epoch) == (other, second["epoch"])
+    # It was asked first: the fence cost the hand-over wait, no more.
+    assert (outcome.action, outcome.handed_over) == ("fenced", False)
+    assert outcome.reason == "it did not answer a request to hand over within 1s"
+    took = second.at - called_at
+    assert DEFAULT_HANDOVER_WAIT <= took < DEFAULT_HANDOVER_WAIT + PROMOTION_BOUND, took
     # The term ended at the marker, and the next term is newer still.
     assert first["epoch"] < outcome.revision < second["epoch"]
     ops = [(e.op, e.leader) for e in entries]
@@ -103,7 +113,7 @@ async def test_fencing_a_paused_leader_promotes_a_successor_at_once(
 async def test_fencing_measured_from_the_command_to_the_successors_event(
     slow_group: CandidateGroup, fence_bucket: str, operator: Client
 ) -> None:
-    """The successor's own ``promoted`` event, within 100 ms of calling the fence."""
+    """Fenced at once (``handover_wait=0``): the successor leads within 100 ms of the call."""
     group = slow_group
     for name in ("a", "b", "c"):
         group.spawn(name)
@@ -113,7 +123,9 @@ async def test_fencing_measured_from_the_command_to_the_successors_event(
 
     backend = JetStreamBackend(operator)
     called_at = time.monotonic()
-    outcome = await fence_leader(backend, fence_bucket, ROLE, requester="test", wait=0)
+    outcome = await fence_leader(
+        backend, fence_bucket, ROLE, requester="test", wait=0, handover_wait=0
+    )
     second = await in_thread(group.wait_for, "promoted", {"a", "b", "c"} - {first.name}, timeout=5)
     took = second.at - called_at
     assert took < PROMOTION_BOUND, f"successor promoted {took * 1000:.1f} ms after the fence"
@@ -139,17 +151,59 @@ async def test_fence_refuses_when_nobody_leads_or_the_epoch_is_not_current(
     assert await in_thread(slow_group.validate, "a")
 
 
-async def test_a_live_leader_that_is_fenced_steps_down_and_sits_out(
+async def test_a_live_leader_asked_to_fence_hands_over_with_no_overlap(
     slow_group: CandidateGroup, fence_bucket: str, operator: Client
 ) -> None:
-    """Fencing a leader that is not stuck: it steps down at once (it watches the key)."""
+    """A leader that answers steps down before its successor is promoted; nothing is fenced."""
+    group = slow_group
+    group.spawn("a")
+    first = await in_thread(group.wait_for, "promoted", {"a"}, timeout=FENCE_TTL + SLACK)
+    group.spawn("b")
+    await in_thread(group.wait_for, "ready", {"b"}, timeout=30)
+    async with KeyHistory(operator, fence_bucket) as history:
+        called_at = time.monotonic()
+        outcome = await fence_leader(
+            JetStreamBackend(operator), fence_bucket, ROLE, requester="test", wait=5
+        )
+        second = await in_thread(group.wait_for, "promoted", {"b"}, timeout=5)
+        entries = await history.until_revision(second["epoch"])
+    demoted = await in_thread(group.wait_for, "demoted", {"a"}, timeout=5)
+    assert demoted["reason"] == "resigned"
+    # No overlap, on this host's monotonic clock: "a" stopped leading (its
+    # is_leader turns False before its demote callbacks run) before "b" led.
+    assert called_at < demoted.at < second.at, (called_at, demoted.at, second.at)
+    assert (outcome.action, outcome.handed_over) == ("handed_over", True)
+    assert (outcome.fenced.id, outcome.fenced.epoch) == ("a", first["epoch"])
+    assert outcome.successor is not None
+    assert (outcome.successor.id, outcome.successor.epoch) == ("b", second["epoch"])
+    assert outcome.promoted_after is not None and outcome.promoted_after < PROMOTION_BOUND
+    # The key: released by the leader (at the outcome's revision), then taken; no marker.
+    ops = [(e.op, e.leader) for e in entries]
+    assert ops[-2:] == [("DEL", None), ("PUT", "b")], entries
+    assert entries[-2].revision == outcome.revision
+    assert ("PUT", "fenced") not in ops
+    assert outcome.to_dict()["action"] == "handed_over"
+
+
+async def test_a_live_leader_fenced_at_once_steps_down_and_sits_out(
+    slow_group: CandidateGroup, fence_bucket: str, operator: Client
+) -> None:
+    """``handover_wait=0`` on a leader that is not stuck: it sees the marker and steps down.
+
+    This is the overlap the hand-over avoids: the successor may lead before
+    the fenced leader's watch delivers the marker.
+    """
     group = slow_group
     group.spawn("a")
     await in_thread(group.wait_for, "promoted", {"a"}, timeout=FENCE_TTL + SLACK)
     group.spawn("b")
     await in_thread(group.wait_for, "ready", {"b"}, timeout=30)
     outcome = await fence_leader(
-        JetStreamBackend(operator), fence_bucket, ROLE, requester="test", wait=5
+        JetStreamBackend(operator), fence_bucket, ROLE, requester="test", wait=5, handover_wait=0
+    )
+    assert (outcome.action, outcome.reason) == (
+        "fenced",
+        "fenced at once, without asking it to hand over",
     )
     demoted = await in_thread(group.wait_for, "demoted", {"a"}, timeout=5)
     assert demoted["reason"] == "fenced"
@@ -161,3 +215,54 @@ async def test_a_live_leader_that_is_fenced_steps_down_and_sits_out(
     entry = await kv.get(ROLE)
     assert entry.value is not None
     assert decode_record(entry.value, int(entry.revision or 0)).id == "b"
+
+
+async def test_a_leader_still_in_its_demote_callbacks_is_fenced_when_the_wait_runs_out(
+    nats_server: NatsServer, fence_bucket: str, operator: Client
+) -> None:
+    """It agreed, but its demote callback outlasts ``handover_wait``: the fence ends the term.
+
+    Its ``is_leader`` was already false when the callback began; only the
+    callback overlaps the successor's term (docs/operating.md's table).
+    """
+    finish = threading.Event()
+    seen: list[tuple[bool, DemoteReason]] = []
+    electors = {name: Elector(nats_server.url, name=f"test-{name}") for name in ("a", "b")}
+    handles = {
+        name: elector.add_role(
+            ElectionConfig(role=ROLE, bucket=fence_bucket, ttl=FENCE_TTL, instance_id=name)
+        )
+        for name, elector in electors.items()
+    }
+
+    @handles["a"].on_demote
+    def slow(reason: DemoteReason) -> None:
+        seen.append((handles["a"].is_leader, reason))
+        finish.wait(10)
+
+    try:
+        await in_thread(electors["a"].start, timeout=10)
+        assert await in_thread(handles["a"].wait_for_leadership, 10)
+        await in_thread(electors["b"].start, timeout=10)
+        outcome = await fence_leader(
+            JetStreamBackend(operator),
+            fence_bucket,
+            ROLE,
+            requester="test",
+            wait=5,
+            handover_wait=0.2,
+        )
+        assert (outcome.action, outcome.reason) == (
+            "fenced",
+            "it agreed to hand over but had not released the key within 0.2s",
+        )
+        assert outcome.successor is not None and outcome.successor.id == "b"
+        assert await in_thread(handles["b"].wait_for_leadership, 5)
+        # "a" stopped leading before its callback ran, so before "b" led;
+        # the callback is still running now, in "b"'s term.
+        assert seen == [(False, DemoteReason.RESIGNED)]
+        assert not finish.is_set() and not handles["a"].is_leader
+    finally:
+        finish.set()
+        for elector in electors.values():
+            await in_thread(elector.stop)

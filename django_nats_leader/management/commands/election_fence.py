@@ -1,15 +1,23 @@
-"""``manage.py election_fence ROLE``: end a stuck leader's term at once.
+"""``manage.py election_fence ROLE``: end the term of a role's leader now.
 
-A conditional update at the observed revision replaces the leader's record
-with a fence marker (see :mod:`celery_nats_leader.ops.fence`): every fenced check
-of the old term fails from then on, and a live candidate takes the role in
-milliseconds instead of after the TTL. The database fence
-(:func:`django_nats_leader.fencing.fenced`) of the role is raised to the
-marker's epoch as well, so the stuck leader's fenced database writes are
-refused even before its successor's first one (``--no-database`` skips it).
+The leader is first asked to hand over (the ``election_resign`` request); a
+live leader steps down before anyone else can lead, with no overlap. A leader
+that does not answer within ``--handover-wait`` (stuck, paused, cut off) is
+fenced: a conditional update at the observed revision replaces its record
+with a fence marker (see :mod:`celery_nats_leader.ops.fence`), every fenced
+check of the old term fails from then on, and a live candidate takes the role
+in milliseconds instead of after the TTL.
 
-Exit status: 0 when the term was fenced, 1 when nobody leads the role (or its
-term is not ``--epoch``), 2 when NATS cannot be used.
+Either way the role's database fence (:func:`django_nats_leader.fencing.fenced`)
+is raised to the revision at which the term ended *right after it ended and
+before waiting for a successor*, so the old leader's fenced database writes
+are refused even before its successor's first one (``--no-database`` skips
+it). A successor whose first fenced write got there first already raised the
+fence above that revision: that is success too.
+
+Exit status: 0 when the term ended (handed over or fenced; the output says
+which), 1 when nobody leads the role (or its term is not ``--epoch``), 2 when
+NATS cannot be used.
 """
 
 from __future__ import annotations
@@ -18,10 +26,15 @@ import json
 from argparse import ArgumentParser
 from typing import Any
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
-from celery_nats_leader.ops.fence import FenceOutcome, request_fence
+from celery_nats_leader.ops.fence import (
+    DEFAULT_HANDOVER_WAIT,
+    FenceOutcome,
+    request_fence,
+    wait_for_successor,
+)
 from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
@@ -31,36 +44,96 @@ from django_nats_leader.management.common import (
     load_settings,
 )
 
+REQUESTER = "manage.py election_fence"
+
 
 def fence_role(
-    settings: LeaderSettings, role: str, *, epoch: int | None, timeout: float, wait: float
+    settings: LeaderSettings,
+    role: str,
+    *,
+    epoch: int | None,
+    timeout: float,
+    wait: float,
+    handover_wait: float = DEFAULT_HANDOVER_WAIT,
 ) -> FenceOutcome:
-    """Fence the current term of ``role``; wait up to ``wait`` seconds for a successor."""
+    """End the current term of ``role`` (hand-over, else fence); wait ``wait`` s for a successor.
+
+    Does not touch the database: see :func:`fence_role_and_database` for the
+    order the command and the admin use.
+    """
     return request_fence(
         settings,
         role,
         epoch=epoch,
         timeout=timeout,
         wait=wait,
-        requester=operator_name("manage.py election_fence"),
+        requester=operator_name(REQUESTER),
+        handover_wait=handover_wait,
     )
 
 
 def raise_database_fence(outcome: FenceOutcome, *, using: str | None = None) -> int:
-    """Raise the role's database fence to the marker's epoch; return the fence's epoch."""
-    from django_nats_leader.fencing import fenced
+    """Raise the role's database fence to the revision where the term ended; return its epoch.
+
+    A successor whose fenced write came first has raised the fence above that
+    revision already: the old term is refused either way, so its epoch is
+    returned, not an error.
+    """
+    from django_nats_leader.fencing import StaleLeaderError, fenced
 
     token = FencingToken(epoch=outcome.revision, value=outcome.token)
-    with fenced(outcome.role, token, using=using, holder="election_fence") as row:
-        return row.epoch
+    try:
+        with fenced(outcome.role, token, using=using, holder="election_fence") as row:
+            return row.epoch
+    except StaleLeaderError as exc:
+        if exc.current_epoch is not None and exc.current_epoch > outcome.revision:
+            return exc.current_epoch
+        raise
+
+
+def fence_role_and_database(
+    settings: LeaderSettings,
+    role: str,
+    *,
+    epoch: int | None,
+    timeout: float,
+    wait: float,
+    handover_wait: float = DEFAULT_HANDOVER_WAIT,
+    database: bool = True,
+    using: str | None = None,
+) -> tuple[FenceOutcome, int | None, DatabaseError | None]:
+    """End the term, raise the database fence at once, then wait for the successor.
+
+    Returns:
+        The outcome (with the successor, if one came within ``wait``), the
+        database fence's epoch (``None`` when not raised) and the database
+        error that prevented raising it, if any.
+
+    """
+    outcome = fence_role(
+        settings, role, epoch=epoch, timeout=timeout, wait=0.0, handover_wait=handover_wait
+    )
+    database_epoch: int | None = None
+    problem: DatabaseError | None = None
+    if database:
+        try:
+            database_epoch = raise_database_fence(outcome, using=using)
+        except DatabaseError as exc:
+            problem = exc
+    if wait > 0:
+        outcome = wait_for_successor(
+            settings, outcome, wait=wait, timeout=timeout, requester=operator_name(REQUESTER)
+        )
+    return outcome, database_epoch, problem
 
 
 class Command(BaseCommand):
     """End the current term of a role."""
 
     help = (
-        "End the current term of ROLE at once (a stuck or paused leader): fenced checks of "
-        "the old term fail and a live candidate leads within milliseconds."
+        "End the current term of ROLE now: a live leader is asked to hand over (no overlap); "
+        "a stuck one is fenced (its fenced checks fail) and a live candidate leads within "
+        "milliseconds."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
@@ -76,12 +149,24 @@ class Command(BaseCommand):
             help="Seconds to wait for the new leader (default: the role's TTL; 0: no wait).",
         )
         parser.add_argument(
+            "--handover-wait",
+            type=float,
+            default=DEFAULT_HANDOVER_WAIT,
+            help="Seconds for a live leader to hand over on request before it is fenced "
+            f"(default {DEFAULT_HANDOVER_WAIT:g}; 0: fence at once, without asking).",
+        )
+        parser.add_argument(
             "--timeout", type=float, default=5.0, help="Seconds per NATS operation."
         )
         parser.add_argument(
             "--no-database",
             action="store_true",
             help="Do not raise the role's database fence (django_nats_leader.fencing).",
+        )
+        parser.add_argument(
+            "--database",
+            default=None,
+            help="Database alias of the fence (default: the router's choice).",
         )
         parser.add_argument("--json", action="store_true", help="Print the outcome as JSON.")
 
@@ -92,33 +177,29 @@ class Command(BaseCommand):
         wait = options["wait"]
         if wait is None:
             wait = settings.election_config(role).ttl
+        if options["handover_wait"] < 0:
+            raise CommandError("--handover-wait must be 0 or more seconds")
         with election_errors():
-            outcome = fence_role(
+            outcome, database_epoch, problem = fence_role_and_database(
                 settings,
                 role,
                 epoch=options["epoch"],
                 timeout=options["timeout"],
                 wait=float(wait),
+                handover_wait=options["handover_wait"],
+                database=not options["no_database"],
+                using=options["database"],
             )
-        database_epoch = None
-        if not options["no_database"]:
-            try:
-                database_epoch = raise_database_fence(outcome)
-            except DatabaseError as exc:
-                self.stderr.write(
-                    self.style.WARNING(f"database fence of {role!r} not raised: {exc}")
-                )
+        if problem is not None:
+            self.stderr.write(
+                self.style.WARNING(f"database fence of {role!r} not raised: {problem}")
+            )
         if options["json"]:
             body = outcome.to_dict()
             body["database_epoch"] = database_epoch
             self.stdout.write(json.dumps(body, sort_keys=True))
             return
-        self.stdout.write(
-            self.style.SUCCESS(
-                f"fenced {outcome.fenced.id} (epoch {outcome.fenced.epoch}) from role {role!r} "
-                f"at revision {outcome.revision}"
-            )
-        )
+        self.stdout.write(self.style.SUCCESS(outcome.describe()))
         if database_epoch is not None:
             self.stdout.write(f"database fence of {role!r} at epoch {database_epoch}")
         if outcome.successor is not None:
