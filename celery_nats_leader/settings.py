@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 #: Prefix of the settings in Celery's configuration.
 CELERY_PREFIX = "nats_leader_"
 
+#: A metric name prefix (Prometheus names, without the colons kept for rules).
+_METRIC_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
 
 @dataclass(frozen=True)
 class LeaderSettings:
@@ -95,6 +98,9 @@ class LeaderSettings:
 
     metrics_address: str = "0.0.0.0"
     """Address the metrics endpoint listens on (``127.0.0.1`` to keep it local)."""
+
+    metrics_namespace: str = "nats_leader"
+    """Prefix of the metric names (``<namespace>_is_leader``, ...)."""
 
     start_timeout: float = 10.0
     """Seconds a starting worker waits for NATS and its first campaign when
@@ -205,6 +211,13 @@ class LeaderSettings:
             )
         if not self.instance_id:
             object.__setattr__(self, "instance_id", default_instance_id())
+        if not isinstance(self.metrics_namespace, str) or not _METRIC_NAME.fullmatch(
+            self.metrics_namespace
+        ):
+            raise ConfigError(
+                f"metrics_namespace={self.metrics_namespace!r} must be a Prometheus metric "
+                "name prefix: a letter or '_', then letters, digits or '_'"
+            )
         if self.metrics_port is not None and not (0 <= int(self.metrics_port) <= 65535):
             raise ConfigError(f"metrics_port={self.metrics_port!r} must be a TCP port (0-65535)")
         if (

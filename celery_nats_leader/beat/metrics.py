@@ -13,7 +13,8 @@ be alerted on (a tick lost, sends failing, ticks skipped by catch-up):
 * ``send_failed``: sends that raised (each attempt).
 
 With ``nats_leader_metrics_port`` the counters are served with the election
-metrics as ``nats_leader_beat_ticks_total{role, instance, entry, outcome}``.
+metrics as ``nats_leader_beat_ticks_total{role, instance_id, entry, outcome}``
+(the prefix is ``nats_leader_metrics_namespace``).
 This module imports neither Celery nor Django; ``prometheus-client`` only
 when :meth:`TickMetrics.export_to` is called.
 """
@@ -75,7 +76,7 @@ class TickMetrics:
         self._counter = Counter(
             "beat_ticks",
             "Ticks of the leader beat scheduler, by entry and outcome.",
-            ("role", "instance", "entry", "outcome"),
+            ("role", "instance_id", "entry", "outcome"),
             namespace=namespace,
             registry=registry,
         )

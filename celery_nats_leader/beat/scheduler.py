@@ -168,8 +168,11 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             # Imported only when asked for: prometheus-client is an optional extra.
             from celery_nats_leader.prometheus import PrometheusObserver
 
-            self.nats_leader_observer = PrometheusObserver(bucket=settings.bucket)
-            self.nats_leader_metrics.export_to(self.nats_leader_observer.registry)
+            observer = PrometheusObserver(
+                bucket=settings.bucket, namespace=settings.metrics_namespace
+            )
+            self.nats_leader_observer = observer
+            self.nats_leader_metrics.export_to(observer.registry, observer.namespace)
         self._closed = False
         self._unsynced = 0
         self._sending = False
