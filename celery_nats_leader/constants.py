@@ -134,3 +134,6 @@ ALLCALL_DEFAULT_MAX_CLOCK_SKEW_SECONDS = 1.0
 
 #: ALLCALL: ``max_clock_skew`` may be at most this fraction of the lease.
 ALLCALL_MAX_CLOCK_SKEW_FRACTION_OF_TTL = 0.5
+
+#: Prefix of every Prometheus metric name (``nats_leader_metrics_namespace`` changes it).
+DEFAULT_METRICS_NAMESPACE = "nats_leader"

@@ -7,7 +7,11 @@ in one test run, do not collide). The worker bootstep serves it on
 ``nats_leader_metrics_port``; any other program can pass it to an
 :class:`~celery_nats_leader.elector.Elector` and serve or merge its registry.
 
-Metrics (labels ``bucket``, ``role`` and ``instance``):
+Metrics (labels ``bucket``, ``role`` and ``instance_id``; the prefix
+``nats_leader`` is the ``namespace`` argument, ``nats_leader_metrics_namespace``
+in the settings). The label is ``instance_id``, not ``instance``: Prometheus
+sets ``instance`` to the scraped target's ``host:port`` and, with default
+settings, renames a scraped ``instance`` label to ``exported_instance``.
 
 * ``nats_leader_is_leader`` (gauge): 1 while this instance leads the role.
 * ``nats_leader_has_leader`` (gauge): 1 while, as this replica sees it,
@@ -15,12 +19,14 @@ Metrics (labels ``bucket``, ``role`` and ``instance``):
 * ``nats_leader_leaderless_seconds`` (gauge): how long this replica has seen
   no leader of the role (0 while it sees one), on its own monotonic clock.
 * ``nats_leader_ttl_seconds`` (gauge): the role's TTL (for alert rules).
-* ``nats_leader_connected`` (gauge, label ``instance``): 1 while the NATS
+* ``nats_leader_connected`` (gauge, label ``instance_id``): 1 while the NATS
   connection is up.
 * ``nats_leader_failures_total`` (counter, plus ``kind``): every failure, by
   kind: ``renewal``, ``validation``, and each involuntary end of a term
   (``lease_expired``, ``disconnected``, ``revision_changed``, ``key_deleted``,
-  ``token_mismatch``, ``health_check_failed``, ``fenced``, ``error``).
+  ``token_mismatch``, ``health_check_failed``, ``fenced``, ``error``). An
+  election stopped by a permanent error counts one ``error``, whether it led
+  or not.
 * ``nats_leader_transitions_total`` (counter, plus ``from_state``/``to_state``):
   state changes (``follower -> candidate``, ``candidate -> leader``, ...).
 * ``nats_leader_campaigns_total`` (counter, plus ``outcome`` = won/lost).
@@ -37,6 +43,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from celery_nats_leader.constants import DEFAULT_METRICS_NAMESPACE
 from celery_nats_leader.errors import ConfigError
 
 try:
@@ -81,7 +88,7 @@ class PrometheusObserver:
 
     Args:
         registry: Where to register the metrics; a new private registry by default.
-        namespace: Metric name prefix.
+        namespace: Metric name prefix (``<namespace>_is_leader``, ...).
         bucket: The ``bucket`` label of roles not registered with
             :meth:`watch_elector` (or :meth:`track`).
 
@@ -90,14 +97,16 @@ class PrometheusObserver:
     def __init__(
         self,
         registry: CollectorRegistry | None = None,
-        namespace: str = "nats_leader",
+        namespace: str = DEFAULT_METRICS_NAMESPACE,
         *,
         bucket: str = "leaders",
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        #: The metric name prefix (beat's tick counters use the same).
+        self.namespace = namespace
         self.default_bucket = bucket
         self._buckets: dict[str, str] = {}
-        labels = ("bucket", "role", "instance")
+        labels = ("bucket", "role", "instance_id")
         self.is_leader = Gauge(
             "is_leader",
             "1 while this instance leads the role, else 0.",
@@ -180,7 +189,7 @@ class PrometheusObserver:
         self.connected = Gauge(
             "connected",
             "1 while this replica's NATS connection is up.",
-            ("instance",),
+            ("instance_id",),
             namespace=namespace,
             registry=self.registry,
         )
@@ -210,7 +219,7 @@ class PrometheusObserver:
 
         Args:
             elector: The elector whose roles to watch.
-            instance: The ``instance`` label of the connection gauge.
+            instance: The ``instance_id`` label of the connection gauge.
 
         """
         self.connected.labels(instance).set_function(lambda: 1.0 if elector.nats_connected else 0.0)
@@ -244,7 +253,10 @@ class PrometheusObserver:
             return round(time.monotonic() - started, 3)
 
         def on_demote(reason: DemoteReason) -> None:
-            if reason.value in FAILURE_REASONS:
+            # An election stopped by an error demotes its leader with reason
+            # "error" and then reports the error: on_error counts it, once,
+            # and also for a follower.
+            if reason.value in FAILURE_REASONS and reason.value != "error":
                 self.failures.labels(*labels, reason.value).inc()
 
         def on_error(error: ElectionError) -> None:

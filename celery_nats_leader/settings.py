@@ -27,7 +27,7 @@ from celery_nats_leader.config import (
     validate_bucket,
     validate_key,
 )
-from celery_nats_leader.constants import DEFAULT_SERVERS
+from celery_nats_leader.constants import DEFAULT_METRICS_NAMESPACE, DEFAULT_SERVERS
 from celery_nats_leader.errors import ConfigError
 from celery_nats_leader.nats.connection import ConnectOptions
 
@@ -58,6 +58,10 @@ def election_field(name: str) -> Any:
     if source.default_factory is not dataclasses.MISSING:
         return field(default_factory=source.default_factory, metadata=metadata)
     return field(default=source.default, metadata=metadata)
+
+
+#: A metric name prefix (Prometheus names, without the colons kept for rules).
+_METRIC_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,9 @@ class LeaderSettings:
 
     metrics_address: str = "0.0.0.0"
     """Address the metrics endpoint listens on (``127.0.0.1`` to keep it local)."""
+
+    metrics_namespace: str = DEFAULT_METRICS_NAMESPACE
+    """Prefix of the metric names (``<namespace>_is_leader``, ...)."""
 
     start_timeout: float = 10.0
     """Seconds a starting worker waits for NATS and its first campaign when
@@ -239,6 +246,13 @@ class LeaderSettings:
             raise ConfigError(f"beat_once={self.beat_once!r} must be True or False")
         if not self.instance_id:
             object.__setattr__(self, "instance_id", default_instance_id())
+        if not isinstance(self.metrics_namespace, str) or not _METRIC_NAME.fullmatch(
+            self.metrics_namespace
+        ):
+            raise ConfigError(
+                f"metrics_namespace={self.metrics_namespace!r} must be a Prometheus metric "
+                "name prefix: a letter or '_', then letters, digits or '_'"
+            )
         if self.metrics_port is not None and not (0 <= int(self.metrics_port) <= 65535):
             raise ConfigError(f"metrics_port={self.metrics_port!r} must be a TCP port (0-65535)")
         if (

@@ -13,7 +13,8 @@ be alerted on (a tick lost, sends failing, ticks skipped by catch-up):
 * ``send_failed``: sends that raised (each attempt).
 
 With ``nats_leader_metrics_port`` the counters are served with the election
-metrics as ``nats_leader_beat_ticks_total{role, instance, entry, outcome}``.
+metrics as ``nats_leader_beat_ticks_total{role, instance_id, entry, outcome}``
+(the prefix is ``nats_leader_metrics_namespace``).
 This module imports neither Celery nor Django; ``prometheus-client`` only
 when :meth:`TickMetrics.export_to` is called.
 """
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import threading
 from typing import Any
+
+from celery_nats_leader.constants import DEFAULT_METRICS_NAMESPACE
 
 __all__ = ["OUTCOMES", "TickMetrics"]
 
@@ -62,7 +65,7 @@ class TickMetrics:
         with self._lock:
             return {entry: dict(counts) for entry, counts in self._counts.items()}
 
-    def export_to(self, registry: Any, namespace: str = "nats_leader") -> None:
+    def export_to(self, registry: Any, namespace: str = DEFAULT_METRICS_NAMESPACE) -> None:
         """Export the counters into a Prometheus registry (the election metrics' one).
 
         Args:
@@ -75,7 +78,7 @@ class TickMetrics:
         self._counter = Counter(
             "beat_ticks",
             "Ticks of the leader beat scheduler, by entry and outcome.",
-            ("role", "instance", "entry", "outcome"),
+            ("role", "instance_id", "entry", "outcome"),
             namespace=namespace,
             registry=registry,
         )

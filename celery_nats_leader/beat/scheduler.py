@@ -14,16 +14,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import multiprocessing
 import signal
 import socket
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from celery import beat as celery_beat
 from celery.beat import PersistentScheduler
 from celery.schedules import crontab
 from celery.schedules import schedule as celery_schedule
@@ -172,8 +175,11 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             # Imported only when asked for: prometheus-client is an optional extra.
             from celery_nats_leader.prometheus import PrometheusObserver
 
-            self.nats_leader_observer = PrometheusObserver(bucket=settings.bucket)
-            self.nats_leader_metrics.export_to(self.nats_leader_observer.registry)
+            observer = PrometheusObserver(
+                bucket=settings.bucket, namespace=settings.metrics_namespace
+            )
+            self.nats_leader_observer = observer
+            self.nats_leader_metrics.export_to(observer.registry, observer.namespace)
         self._closed = False
         self._unsynced = 0
         self._sending = False
@@ -470,7 +476,9 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
     def _lead(self, handle: RoleHandle, token: FencingToken, dispatcher: TickDispatcher) -> float:
         """A leader's pass: dispatch the oldest due tick, or say when to look again."""
         max_interval = float(self.max_interval)
-        wake = max_interval
+        # Seconds before anything needs a look (not bounded by max_interval
+        # yet: Celery bounds the adjusted delay, see the end).
+        wake = math.inf
         best: _Due | None = None
         for name, entry in list(self.schedule.items()):
             state = dispatcher.states.get(name)
@@ -504,7 +512,11 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
                 continue
             best = due
         if best is None:
-            return max(0.0, min(wake, max_interval))
+            if wake == math.inf:
+                return max_interval
+            # As Celery's tick(): wake up 10 ms early (its adjust()), then
+            # bound by max_interval.
+            return max(0.0, min(float(self.adjust(wake)), max_interval))
         return self._dispatch(handle, token, dispatcher, best)
 
     def _due(self, name: str, entry: Any, state: EntryState, now_ts: float) -> _Due | float:
@@ -519,17 +531,14 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         try:
             due, next_check = self.is_due(entry)
         except Exception:
-            # As Celery: one entry that cannot be calculated must not stop the others.
-            logger.exception(
-                "nats-leader beat: cannot calculate the next run of %r; trying again in %gs",
-                name,
-                max_interval,
-            )
-            due, next_check = False, max_interval
+            # As Celery: one entry that cannot be calculated must not stop the
+            # others; logged as Celery logs it, on the celery.beat logger.
+            due, next_check = self._is_due_failed(entry)
         if not due:
             wait = float(next_check) if is_numeric(next_check) else max_interval
-            wait = min(max(wait, 0.0), max_interval)
-            self.nats_leader_agenda.hold(name, entry, state.revision, now_ts + wait)
+            wait = max(wait, 0.0)
+            held = min(wait, max_interval)
+            self.nats_leader_agenda.hold(name, entry, state.revision, now_ts + held)
             return wait
         self.nats_leader_agenda.release(name)
         try:
@@ -552,6 +561,25 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         if slot <= state.slot:
             slot = state.slot + _ONE_MICROSECOND
         return _Due(slot, name, entry, state, 0)
+
+    def _is_due_failed(self, entry: Any) -> tuple[bool, float]:
+        """Celery's handling of an entry whose ``is_due()`` raised: log, ask again later.
+
+        Celery 5.7 has it (logged on the ``celery.beat`` logger, which is
+        where users watch beat's errors); older versions let the error stop
+        beat, so the same is done here with Celery's message.
+        """
+        celery_handler = getattr(super(), "_is_due_failed", None)
+        if celery_handler is not None:
+            due, next_check = celery_handler(entry)
+            return bool(due), float(next_check)
+        celery_beat.error(
+            "beat: Cannot calculate the next run of %r, trying again in %ss.",
+            entry.name,
+            self.max_interval,
+            exc_info=True,
+        )
+        return False, float(self.max_interval)
 
     def _plan(self, name: str, entry: Any, state: EntryState, now: datetime) -> TickPlan | None:
         """The planner's view of a due entry (``None``: its schedule has no slots)."""
@@ -696,6 +724,12 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         self._sending = True
         try:
             result = self.apply_async(outgoing, producer=producer, advance=False)
+        except Exception as exc:
+            # As Celery's apply_entry(), on the celery.beat logger (where
+            # users alert on beat's errors); the dispatcher then decides
+            # whether the tick is sent again or dropped, and says so.
+            celery_beat.error("Message Error: %s\n%s", exc, traceback.format_stack(), exc_info=True)
+            raise
         finally:
             self._sending = False
         logger.info(

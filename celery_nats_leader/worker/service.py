@@ -87,7 +87,9 @@ class LeaderService:
             # Imported only when asked for: prometheus-client is an optional extra.
             from celery_nats_leader.prometheus import PrometheusObserver
 
-            self.metrics = PrometheusObserver(bucket=settings.bucket)
+            self.metrics = PrometheusObserver(
+                bucket=settings.bucket, namespace=settings.metrics_namespace
+            )
         self.metrics_port: int | None = None
         self.probes: ProbeServer | None = None
         self.elector = Elector(

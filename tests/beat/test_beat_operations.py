@@ -229,8 +229,12 @@ def test_a_replica_says_when_a_non_scheduler_holds_the_beat_role(
 # ------------------------------------------------------ issue 10 #8
 
 
-def test_beat_serves_election_and_tick_metrics(make: Callable[..., Recording], bucket: str) -> None:
-    scheduler = make(nats_leader_required=True, nats_leader_metrics_port=0)
+@pytest.mark.parametrize("namespace", [None, "billing_leader"])
+def test_beat_serves_election_and_tick_metrics(
+    make: Callable[..., Recording], bucket: str, namespace: str | None
+) -> None:
+    conf = {} if namespace is None else {"nats_leader_metrics_namespace": namespace}
+    scheduler = make(nats_leader_required=True, nats_leader_metrics_port=0, **conf)
     handle = scheduler.beat_role
     assert handle is not None and handle.wait_for_leadership(10)
     scheduler.tick()  # anchors the entry
@@ -243,13 +247,16 @@ def test_beat_serves_election_and_tick_metrics(make: Callable[..., Recording], b
     assert port
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
+    prefix = namespace or "nats_leader"
     instance = scheduler.instance_id
-    labels = f'bucket="{bucket}",instance="{instance}",role="beat"'
-    assert f"nats_leader_is_leader{{{labels}}} 1.0" in text
+    # instance_id, not instance: Prometheus's own target label.
+    labels = f'bucket="{bucket}",instance_id="{instance}",role="beat"'
+    assert f"{prefix}_is_leader{{{labels}}} 1.0" in text
     assert (
-        f'nats_leader_beat_ticks_total{{entry="every-ten",instance="{instance}",'
+        f'{prefix}_beat_ticks_total{{entry="every-ten",instance_id="{instance}",'
         f'outcome="dispatched",role="beat"}} 3.0'
     ) in text
+    assert "instance=" not in text
 
 
 def test_an_embedded_beat_leaves_the_metrics_port_to_its_worker(

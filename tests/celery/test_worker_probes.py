@@ -99,3 +99,30 @@ def sample(text: str, name: str, **labels: str) -> float | None:
         if all(found.get(key) == value for key, value in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     return None
+
+
+def test_worker_metrics_take_the_configured_namespace_and_instance_id(
+    cluster_factory: Any,
+) -> None:
+    # nats_leader_metrics_namespace names every metric; the replica is the
+    # label instance_id (Prometheus keeps "instance" for the target).
+    cluster: Cluster = cluster_factory(ttl=2.0)
+    port = free_port("127.0.0.1")
+    extra = {**cluster.config.get("extra", {}), "metrics_namespace": "billing_leader"}
+    cluster.start_worker("w1", config={"metrics_port": port, "extra": extra})
+    cluster.wait_leader()
+    bucket, role = cluster.config["bucket"], cluster.role
+
+    def leading() -> str | None:
+        status, text = get(port, "/metrics")
+        if status != 200 or sample(text, "billing_leader_is_leader", role=role) != 1.0:
+            return None
+        return str(text)
+
+    text = wait_for(leading, 30, "the leader's metrics")
+    samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+    names = {line.split("{")[0].split(" ")[0] for line in samples}
+    assert names and all(name.startswith("billing_leader_") for name in names), names
+    assert sample(text, "billing_leader_ttl_seconds", bucket=bucket, role=role) == 2.0
+    assert re.search(r'billing_leader_is_leader\{[^}]*instance_id="[^"]+"', text)
+    assert "instance=" not in text

@@ -82,6 +82,17 @@ def test_from_mapping_rejects_unknown_names() -> None:
         ElectionConfig.from_mapping({"tll": 5})
 
 
+def test_metrics_namespace_from_celery_and_django_settings() -> None:
+    assert LeaderSettings().metrics_namespace == "nats_leader"
+    django = LeaderSettings.from_mapping({"METRICS_NAMESPACE": "billing_leader"})
+    assert django.metrics_namespace == "billing_leader"
+    celery = LeaderSettings.from_celery({"nats_leader_metrics_namespace": "billing_leader"})
+    assert celery.metrics_namespace == "billing_leader"
+    for bad in ("", "9lives", "nats-leader", "a:b"):
+        with pytest.raises(ConfigError, match="metrics_namespace"):
+            LeaderSettings(metrics_namespace=bad)
+
+
 def test_settings_per_role_options_and_errors() -> None:
     settings = LeaderSettings.from_mapping(
         {"TTL": 6, "ROLES": "default,reports", "ROLE_OPTIONS": {"reports": {"priority": 5}}}
