@@ -1,0 +1,62 @@
+"""NATS connections per worker process, counted on the server (``connz``).
+
+A prefork worker's main process holds the election's connection; each child
+that runs guarded tasks (``@leader_only(validate=True)``, ``@run_once``, the
+beat fence) holds exactly one more, shared by every guard, whatever the kinds
+of tasks it ran. Connections are attributed to processes through the kernel
+(the socket's port), not through anything the client names itself.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+from cnl_celery_harness import Cluster, wait_for
+
+from celery_nats_leader.beat import ROLE_HEADER, TOKEN_HEADER
+from celery_nats_leader.token import FencingToken
+from tests.support.connections import connections_by_process, process_tree
+
+pytestmark = [pytest.mark.celery, pytest.mark.integration, pytest.mark.timeout(180)]
+
+KINDS = ("cnl.record_validated", "cnl.record_once", "cnl.record_fenced")
+
+
+def test_one_connection_per_prefork_process(cluster_factory: Any) -> None:
+    cluster: Cluster = cluster_factory(ttl=4.0)
+    worker = cluster.start_worker("w1", pool="prefork", concurrency=2)
+    cluster.wait_leader()
+    epoch = cluster.ledger.promotions()[-1].epoch
+    assert epoch is not None
+    # The fence lets the task through: its token is of the current term.
+    headers = {TOKEN_HEADER: FencingToken(epoch, "current").to_header(), ROLE_HEADER: cluster.role}
+    sent = 0
+    for _ in range(4):
+        for kind in KINDS:
+            options = {"headers": headers} if kind == "cnl.record_fenced" else {}
+            cluster.send(kind, sent, 0.05, options=options)
+            sent += 1
+    wait_for(lambda: cluster.ledger.committed() == sent, 60, "every task", cluster.diagnostics)
+
+    ran = cluster.ledger.rows("SELECT pid, name FROM commits")
+    by_child: dict[int, set[str]] = {}
+    for pid, name in ran:
+        by_child.setdefault(int(pid), set()).add(str(name))
+    # One child at least ran every guard (the fenced task has all three).
+    assert any("cnl.record_fenced" in names for names in by_child.values())
+
+    assert worker.pid is not None
+    pids = process_tree(worker.pid)
+    held = connections_by_process(cluster.nats, pids)
+    # The main process: the election's connection only.
+    assert len(held[worker.pid]) == 1, held
+    assert held[worker.pid][0].startswith("celery-nats-leader w1@")
+    for pid in pids[1:]:
+        expected = 1 if pid in by_child else 0
+        assert len(held[pid]) == expected, (pid, by_child.get(pid), held)
+        if expected:
+            assert held[pid] == [f"celery-nats-leader client {socket.gethostname()}:{pid}"]
+    # No child that ran a task was replaced meanwhile (each is counted above).
+    assert set(by_child) <= set(pids[1:]), (by_child, pids)
