@@ -3,7 +3,8 @@
 A prefork worker's main process holds the election's connection; each child
 that runs guarded tasks (``@leader_only(validate=True)``, ``@run_once``, the
 beat fence) holds exactly one more, shared by every guard, whatever the kinds
-of tasks it ran. Connections are attributed to processes through the kernel
+of tasks it ran. A threads worker holds two: the election's and the guards'.
+Connections are attributed to processes through the kernel
 (the socket's port), not through anything the client names itself.
 """
 
@@ -24,9 +25,8 @@ pytestmark = [pytest.mark.celery, pytest.mark.integration, pytest.mark.timeout(1
 KINDS = ("cnl.record_validated", "cnl.record_once", "cnl.record_fenced")
 
 
-def test_one_connection_per_prefork_process(cluster_factory: Any) -> None:
-    cluster: Cluster = cluster_factory(ttl=4.0)
-    worker = cluster.start_worker("w1", pool="prefork", concurrency=2)
+def _run_every_guard(cluster: Cluster) -> dict[int, set[str]]:
+    """Send every kind of guarded task; the kinds each process ran, by pid."""
     cluster.wait_leader()
     epoch = cluster.ledger.promotions()[-1].epoch
     assert epoch is not None
@@ -39,11 +39,20 @@ def test_one_connection_per_prefork_process(cluster_factory: Any) -> None:
             cluster.send(kind, sent, 0.05, options=options)
             sent += 1
     wait_for(lambda: cluster.ledger.committed() == sent, 60, "every task", cluster.diagnostics)
+    ran: dict[int, set[str]] = {}
+    for pid, name in cluster.ledger.rows("SELECT pid, name FROM commits"):
+        ran.setdefault(int(pid), set()).add(str(name))
+    return ran
 
-    ran = cluster.ledger.rows("SELECT pid, name FROM commits")
-    by_child: dict[int, set[str]] = {}
-    for pid, name in ran:
-        by_child.setdefault(int(pid), set()).add(str(name))
+
+def _client_name(pid: int) -> str:
+    return f"celery-nats-leader client {socket.gethostname()}:{pid}"
+
+
+def test_one_connection_per_prefork_process(cluster_factory: Any) -> None:
+    cluster: Cluster = cluster_factory(ttl=4.0)
+    worker = cluster.start_worker("w1", pool="prefork", concurrency=2)
+    by_child = _run_every_guard(cluster)
     # One child at least ran every guard (the fenced task has all three).
     assert any("cnl.record_fenced" in names for names in by_child.values())
 
@@ -57,6 +66,21 @@ def test_one_connection_per_prefork_process(cluster_factory: Any) -> None:
         expected = 1 if pid in by_child else 0
         assert len(held[pid]) == expected, (pid, by_child.get(pid), held)
         if expected:
-            assert held[pid] == [f"celery-nats-leader client {socket.gethostname()}:{pid}"]
+            assert held[pid] == [_client_name(pid)]
     # No child that ran a task was replaced meanwhile (each is counted above).
     assert set(by_child) <= set(pids[1:]), (by_child, pids)
+
+
+def test_two_connections_in_a_threads_worker(cluster_factory: Any) -> None:
+    # The guards' client stays apart from the election's connection: a warm
+    # shutdown closes the election's first, while running tasks still need
+    # the once-guard.
+    cluster: Cluster = cluster_factory(ttl=4.0)
+    worker = cluster.start_worker("w1", pool="threads", concurrency=4)
+    ran = _run_every_guard(cluster)
+    assert worker.pid is not None
+    assert set(ran) == {worker.pid}
+    held = connections_by_process(cluster.nats, [worker.pid])[worker.pid]
+    assert len(held) == 2, held
+    assert _client_name(worker.pid) in held
+    assert any(name.startswith("celery-nats-leader w1@") for name in held), held
