@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import uuid
 import warnings
@@ -101,3 +103,34 @@ def test_a_fork_child_builds_its_own_client(nats_server: NatsServer) -> None:
     finally:
         reader.close()
         elector.stop()
+
+
+def test_closed_at_exit(nats_server: NatsServer) -> None:
+    bucket = f"pc_{uuid.uuid4().hex[:8]}"
+    elector = Elector(nats_server.url, name="pc-test")
+    elector.add_role(ElectionConfig(role="r", bucket=bucket, ttl=2.0, create_bucket=True))
+    elector.start(timeout=10)
+    # Exit handlers run last-registered first: this one, registered before
+    # the package is imported, runs after the client's and sees what is left.
+    program = f"""
+import atexit, threading
+atexit.register(lambda: print("left:", [t.name for t in threading.enumerate()
+                                        if t.name == "nats-leader-client"]))
+from celery_nats_leader.nats import ConnectOptions
+from celery_nats_leader.term import TermReader
+term = TermReader(ConnectOptions(servers=({nats_server.url!r},)), {bucket!r}).read("r", timeout=5)
+print("epoch:", term.epoch)
+"""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-W", "error", "-c", program],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        elector.stop()
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert done.stdout.splitlines() == ["epoch: 1", "left: []"]
