@@ -92,6 +92,7 @@ class ProcessClient:
         self.name = f"celery-nats-leader client {socket.gethostname()}:{self.pid}"
         self._loop = EventLoopThread(name="nats-leader-client")
         self._start_lock = threading.Lock()
+        self._closed = False
         self._backend: Backend | None = None
         self._buckets: dict[tuple[Any, ...], Bucket] = {}
         self._opening: asyncio.Lock | None = None
@@ -148,11 +149,11 @@ class ProcessClient:
 
         Raises:
             BackendTimeoutError: No answer within ``timeout`` (the coroutine
-                is cancelled), or the loop is not running.
+                is cancelled), or the client was closed.
 
         """
         try:
-            return self._started().run(coro, timeout)
+            return self._started(coro).run(coro, timeout)
         except (TimeoutError, RuntimeError) as exc:
             raise BackendTimeoutError(f"{what or 'no answer from NATS'}: {exc}") from exc
 
@@ -160,13 +161,18 @@ class ProcessClient:
         """Schedule ``coro`` on the client's loop (for work that runs alongside the caller).
 
         Raises:
-            RuntimeError: The loop is not running.
+            RuntimeError: The client was closed.
 
         """
-        return self._started().submit(coro)
+        return self._started(coro).submit(coro)
 
-    def _started(self) -> EventLoopThread:
+    def _started(self, coro: Coroutine[Any, Any, Any]) -> EventLoopThread:
         with self._start_lock:
+            if self._closed:
+                coro.close()  # never to be awaited
+                # Someone kept a closed client: never reopen it beside the
+                # registered one (that would be a second connection).
+                raise RuntimeError("this NATS client was closed; get the process's current one")
             self._loop.start()
         return self._loop
 
@@ -243,6 +249,8 @@ class ProcessClient:
 
     def close(self, timeout: float = 5.0) -> None:
         """Close the connection and stop the thread; the next use opens a new client."""
+        with self._start_lock:
+            self._closed = True
         with ProcessClient._clients_lock:
             for key, registered in list(ProcessClient._clients.items()):
                 if registered is self:

@@ -11,7 +11,10 @@ import threading
 import uuid
 import warnings
 
+import pytest
+
 from celery_nats_leader import ElectionConfig, Elector
+from celery_nats_leader.errors import BackendTimeoutError
 from celery_nats_leader.nats import ConnectOptions
 from celery_nats_leader.process_client import ProcessClient
 from celery_nats_leader.term import TermReader
@@ -116,6 +119,7 @@ def test_closed_at_exit(nats_server: NatsServer) -> None:
 import atexit, threading
 atexit.register(lambda: print("left:", [t.name for t in threading.enumerate()
                                         if t.name == "nats-leader-client"]))
+from celery_nats_leader.errors import BackendTimeoutError
 from celery_nats_leader.nats import ConnectOptions
 from celery_nats_leader.term import TermReader
 term = TermReader(ConnectOptions(servers=({nats_server.url!r},)), {bucket!r}).read("r", timeout=5)
@@ -134,3 +138,26 @@ print("epoch:", term.epoch)
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert done.stdout.splitlines() == ["epoch: 1", "left: []"]
+
+
+def test_a_closed_client_is_never_reopened(nats_server: NatsServer) -> None:
+    connection = ConnectOptions(servers=(nats_server.url,))
+    client = ProcessClient.for_connection(connection)
+
+    async def connected() -> bool:
+        return (await client.backend(5)).is_connected
+
+    assert client.run(connected(), 5)
+    client.close()
+    # Kept by a caller past its close: it fails (callers retry), and does not
+    # open a second connection beside the process's current client.
+    with pytest.raises(BackendTimeoutError, match="was closed"):
+        client.run(connected(), 5)
+    current = ProcessClient.for_connection(connection)
+    assert current is not client
+    try:
+        assert current.run(current.backend(5), 5).is_connected
+        names = connections_by_process(nats_server, [os.getpid()])[os.getpid()]
+        assert names.count(current.name) == 1, names
+    finally:
+        current.close()
