@@ -24,9 +24,8 @@ sys.path[:0] = [str(ROOT / "tests" / "celery"), str(ROOT)]
 
 from cnl_celery_harness import Cluster  # noqa: E402
 
-from celery_nats_leader.beat import ROLE_HEADER, TOKEN_HEADER  # noqa: E402
+from celery_nats_leader.beat import EPOCH_HEADER, ROLE_HEADER  # noqa: E402
 from celery_nats_leader.testing import NatsServer  # noqa: E402
-from celery_nats_leader.token import FencingToken  # noqa: E402
 from tests.support.brokers import make_broker  # noqa: E402
 from tests.support.connections import (  # noqa: E402
     connections_by_process,
@@ -47,7 +46,7 @@ def measure(pool: str, concurrency: int, per_kind: int) -> list[str]:
             epoch = cluster.ledger.promotions()[-1].epoch
             assert epoch is not None
             headers = {
-                TOKEN_HEADER: FencingToken(epoch, "current").to_header(),
+                EPOCH_HEADER: epoch,
                 ROLE_HEADER: cluster.role,
             }
             sent = 0
