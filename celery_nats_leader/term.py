@@ -9,24 +9,20 @@ worker-side beat check (:class:`~celery_nats_leader.beat.fence.DispatchFence`).
   role is free): the one decoding of an entry.
 * :meth:`Term.holds` is the one "does the store still hold this term" check.
 * :func:`read_term` reads it from an open bucket (async code).
-* :class:`TermReader` reads it from synchronous code in any process: one
-  lazily started event-loop thread and one NATS connection per process,
-  reused for the process's life (never ``asyncio.run`` per call: that would
-  reconnect every time).
+* :class:`TermReader` reads it from synchronous code in any process, through
+  the process's one :class:`~celery_nats_leader.process_client.ProcessClient`
+  (never ``asyncio.run`` per call: that would reconnect every time).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from celery_nats_leader.backend import Backend, Bucket, KVEntry, Operation
-from celery_nats_leader.errors import BackendTimeoutError, ElectionError, RecordFormatError
-from celery_nats_leader.loop_thread import EventLoopThread
+from celery_nats_leader.backend import Bucket, KVEntry, Operation
+from celery_nats_leader.errors import ElectionError, RecordFormatError
+from celery_nats_leader.process_client import ProcessClient
 from celery_nats_leader.record import LeaderRecord, decode_record
 from celery_nats_leader.token import FencingToken
 
@@ -94,31 +90,22 @@ async def read_term(bucket: Bucket, role: str, *, timeout: float) -> Term | None
 class TermReader:
     """Reads roles' current terms from synchronous code, in this process.
 
-    Create one per process and reuse it: the first read starts a daemon
-    event-loop thread and opens a connection, later reads cost one KV round
-    trip. After ``fork()`` the child must build its own (the thread does not
-    survive the fork): compare :attr:`pid` with :func:`os.getpid`. Safe to
-    use from several threads.
+    Reads go through the process's one
+    :class:`~celery_nats_leader.process_client.ProcessClient` for
+    ``connection``: the first read of the process starts its event-loop
+    thread and opens its connection, later reads cost one KV round trip. A
+    reader inherited over ``fork()`` reads through the child's own client.
+    Safe to use from several threads.
 
     Args:
         connection: Where and how to connect.
         bucket: The KV bucket of the roles.
-        name: Connection and thread name (visible in the server's monitoring).
 
     """
 
-    def __init__(
-        self, connection: ConnectOptions, bucket: str, *, name: str = "celery-nats-leader-reader"
-    ) -> None:
-        self.pid = os.getpid()
+    def __init__(self, connection: ConnectOptions, bucket: str) -> None:
         self.bucket_name = bucket
-        self._connection = connection
-        self._name = name
-        self._loop = EventLoopThread(name=name)
-        self._start_lock = threading.Lock()
-        self._backend: Backend | None = None
-        self._bucket: Bucket | None = None
-        self._opening: asyncio.Lock | None = None
+        self.connection = connection
 
     def read(self, role: str, *, timeout: float) -> Term | None:
         """Read ``role``'s current term.
@@ -135,12 +122,13 @@ class TermReader:
                 missing, no answer in time).
 
         """
-        with self._start_lock:
-            self._loop.start()
-        try:
-            return self._loop.run(self._read(role, timeout), timeout + 1.0)
-        except (TimeoutError, RuntimeError) as exc:
-            raise BackendTimeoutError(f"could not read the term of {role!r}: {exc}") from exc
+        client = ProcessClient.for_connection(self.connection)
+
+        async def read() -> Term | None:
+            bucket = await client.bucket(self.bucket_name, timeout=timeout)
+            return await read_term(bucket, role, timeout=timeout)
+
+        return client.run(read(), timeout + 1.0, what=f"could not read the term of {role!r}")
 
     def holds(
         self, role: str, token: FencingToken, instance_id: str | None = None, *, timeout: float
@@ -157,47 +145,8 @@ class TermReader:
         return term is not None and term.holds(token, instance_id)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Close the connection and stop the thread; the reader may start again later."""
-        if self._loop.is_running:
-            try:
-                self._loop.run(self._close(), timeout)
-            except (TimeoutError, RuntimeError) as exc:
-                logger.debug("closing the term reader: %s", exc)
-        self._loop.stop()
-
-    async def _read(self, role: str, timeout: float) -> Term | None:
-        bucket = self._bucket
-        if bucket is None:
-            bucket = await self._open(timeout)
-        return await read_term(bucket, role, timeout=timeout)
-
-    async def _open(self, timeout: float) -> Bucket:
-        # Every coroutine of this reader runs on its one loop thread, so
-        # creating the lock here cannot race.
-        if self._opening is None:
-            self._opening = asyncio.Lock()
-        async with self._opening:
-            if self._bucket is not None:
-                return self._bucket
-            # Imported here: building a reader needs no nats-py.
-            from celery_nats_leader.nats import open_backend
-
-            backend = await open_backend(self._connection, timeout=timeout, name=self._name)
-            try:
-                self._bucket = await backend.open_bucket(
-                    self.bucket_name, ttl=None, create=False, replicas=1, timeout=timeout
-                )
-            except BaseException:
-                await backend.close()
-                raise
-            self._backend = backend
-            return self._bucket
-
-    async def _close(self) -> None:
-        backend, self._backend, self._bucket = self._backend, None, None
-        self._opening = None  # bound to this loop; a restart runs a new one
-        if backend is not None:
-            await backend.close()
+        """Close this process's client for the reader's connection (the next read reopens it)."""
+        ProcessClient.for_connection(self.connection).close(timeout)
 
 
 __all__ = ["Term", "TermReader", "read_term", "term_of"]

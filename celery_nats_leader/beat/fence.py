@@ -19,7 +19,6 @@ queued when the next term begins, is refused too.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from celery import Task
 from celery.exceptions import Ignore
 
 from celery_nats_leader.errors import ElectionError, RecordFormatError
+from celery_nats_leader.process_client import ProcessClient
 from celery_nats_leader.settings import LeaderSettings, settings_of_app
 from celery_nats_leader.term import TermReader
 from celery_nats_leader.token import FencingToken
@@ -116,11 +116,12 @@ def _request_headers(request: Any) -> Mapping[str, Any]:
 class DispatchFence:
     """Reads the current term of a role, for the worker-side check.
 
-    One per process and settings (:meth:`for_settings`); it reads through a
-    :class:`~celery_nats_leader.term.TermReader` (its own connection on its
-    own loop thread, opened at first use), and remembers the highest epoch it
-    has seen (epochs only grow), so that epochs older than that are refused
-    without a round trip.
+    One per process and settings (:meth:`for_settings`), kept by the
+    process's :class:`~celery_nats_leader.process_client.ProcessClient`; it
+    reads through a :class:`~celery_nats_leader.term.TermReader` (the
+    process's one connection, opened at first use), and remembers the highest
+    epoch it has seen (epochs only grow), so that epochs older than that are
+    refused without a round trip.
 
     Args:
         connection: Where and how to connect.
@@ -129,31 +130,24 @@ class DispatchFence:
 
     """
 
-    _instances: dict[tuple[int, Any, str], DispatchFence] = {}  # noqa: RUF012
-    _instances_lock = threading.Lock()
-
     def __init__(self, connection: ConnectOptions, bucket: str, *, timeout: float = 2.0) -> None:
-        self.pid = os.getpid()
         self.bucket_name = bucket
         self.timeout = timeout
-        self.reader = TermReader(connection, bucket, name="nats-leader-fence")
+        self.reader = TermReader(connection, bucket)
         self._highest: dict[str, int] = {}
         self._lock = threading.Lock()
 
     @classmethod
     def for_settings(cls, settings: LeaderSettings) -> DispatchFence:
         """The fence of this process for ``settings`` (created on first use)."""
-        key = (os.getpid(), settings.servers, settings.bucket)
-        with cls._instances_lock:
-            fence = cls._instances.get(key)
-            if fence is None:
-                fence = cls(
-                    settings.connection,
-                    settings.bucket,
-                    timeout=settings.election_config(settings.beat_role).request_timeout * 4,
-                )
-                cls._instances[key] = fence
-            return fence
+        return ProcessClient.for_settings(settings).shared(
+            ("fence", settings.bucket),
+            lambda _client: cls(
+                settings.connection,
+                settings.bucket,
+                timeout=settings.election_config(settings.beat_role).request_timeout * 4,
+            ),
+        )
 
     def current_epoch(self, role: str) -> int | None:
         """The epoch of ``role``'s current term (``None``: nobody leads it now).

@@ -56,16 +56,13 @@ from celery.utils.log import get_task_logger
 from celery_nats_leader.backend import Bucket
 from celery_nats_leader.backoff import retry_transient
 from celery_nats_leader.errors import (
-    BackendTimeoutError,
     BucketConfigError,
     BucketNotFoundError,
     ElectionError,
     PermissionDeniedError,
 )
-from celery_nats_leader.loop_thread import EventLoopThread
-from celery_nats_leader.nats.connection import open_backend
-from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.once import Claim, ClaimLostError, OnceGuard, Verdict
+from celery_nats_leader.process_client import ProcessClient
 from celery_nats_leader.settings import LeaderSettings, settings_of_app
 
 __all__ = ["OnceService", "OnceTask", "run_once", "run_task_once"]
@@ -82,18 +79,17 @@ _CLAIMED = "_nats_leader_once_claimed"
 
 
 class OnceService:
-    """The once-guard of one worker process: a NATS connection on its own loop thread.
+    """The once-guard of one worker process, on the process's NATS client.
 
-    One per process and settings (:meth:`for_settings`), opened at first use
-    (after the fork of a prefork child).
+    One per process and settings (:meth:`for_settings`), kept by the
+    process's :class:`~celery_nats_leader.process_client.ProcessClient`,
+    whose loop thread and connection it uses (opened at first use, after the
+    fork of a prefork child).
 
     Args:
         settings: The ``nats_leader_*`` settings (servers, ``once_*``).
 
     """
-
-    _instances: dict[tuple[int, Any, str], OnceService] = {}  # noqa: RUF012
-    _instances_lock = threading.Lock()
 
     def __init__(self, settings: LeaderSettings) -> None:
         self.settings = settings
@@ -101,97 +97,59 @@ class OnceService:
         self.timeout = min(
             max(settings.election_config(settings.beat_role).request_timeout, 1.0), 5.0
         )
-        self._loop = EventLoopThread(name="nats-leader-once")
-        self._guard: OnceGuard | None = None
-        self._backend: JetStreamBackend | None = None
-        self._opening: asyncio.Lock | None = None
-        self._lock = threading.Lock()
         self.claimant = f"{socket.gethostname()}:{os.getpid()}"
 
     @classmethod
     def for_settings(cls, settings: LeaderSettings) -> OnceService:
         """The service of this process for ``settings`` (created on first use)."""
-        key = (os.getpid(), settings.servers, settings.once_bucket)
-        with cls._instances_lock:
-            service = cls._instances.get(key)
-            if service is None:
-                service = cls._instances[key] = cls(settings)
-            return service
+        return ProcessClient.for_settings(settings).shared(
+            ("once", settings.once_bucket), lambda _client: cls(settings)
+        )
+
+    @property
+    def client(self) -> ProcessClient:
+        """The process's client the guard runs on."""
+        return ProcessClient.for_settings(self.settings)
 
     def run(self, coro: Callable[[OnceGuard], Coroutine[Any, Any, T]]) -> T:
-        """Run ``coro(guard)`` on the service's loop and wait for it.
+        """Run ``coro(guard)`` on the client's loop and wait for it.
 
         Raises:
             ElectionError: NATS did not answer in time, or the buckets are unusable.
 
         """
-        with self._lock:
-            self._loop.start()
+        client = self.client
 
         async def call() -> T:
-            return await coro(await self._open())
+            return await coro(await self._open(client))
 
-        try:
-            return self._loop.run(call(), 4 * self.timeout + 2.0)
-        except (TimeoutError, RuntimeError) as exc:
-            raise BackendTimeoutError(f"the once-guard got no answer from NATS: {exc}") from exc
+        return client.run(
+            call(), 4 * self.timeout + 2.0, what="the once-guard got no answer from NATS"
+        )
 
-    async def _open(self) -> OnceGuard:
-        if self._guard is not None:
-            return self._guard
-        if self._opening is None:
-            # Created on the loop (never bound in __init__); tasks of a
-            # threads pool ask at once, one of them opens.
-            self._opening = asyncio.Lock()
-        async with self._opening:
-            return await self._open_once()
-
-    async def _open_once(self) -> OnceGuard:
-        if self._guard is None:
-            settings = self.settings
-            if self._backend is None:
-                self._backend = await open_backend(
-                    settings.connection, timeout=self.timeout, name="nats-leader-once"
+    async def _open(self, client: ProcessClient) -> OnceGuard:
+        # The buckets are opened once per connection (the client keeps
+        # them); a failure is tried again by the next call.
+        settings = self.settings
+        opened: list[Bucket] = []
+        for name, ttl in (
+            (f"{settings.once_bucket}_leases", settings.once_lease),
+            (settings.once_bucket, settings.once_retention),
+        ):
+            opened.append(
+                await client.bucket(
+                    name,
+                    ttl=ttl,
+                    create=True,
+                    replicas=settings.bucket_replicas,
+                    timeout=max(self.timeout, 2.0),
                 )
-            # One connection per process, kept when opening the buckets fails
-            # (the next call tries the buckets again on it).
-            backend = self._backend
-            opened: list[Bucket] = []
-            for name, ttl in (
-                (f"{settings.once_bucket}_leases", settings.once_lease),
-                (settings.once_bucket, settings.once_retention),
-            ):
-                opened.append(
-                    await backend.open_bucket(
-                        name,
-                        ttl=ttl,
-                        create=True,
-                        replicas=settings.bucket_replicas,
-                        timeout=max(self.timeout, 2.0),
-                    )
-                )
-            self._guard = OnceGuard(
-                opened[0], opened[1], claimant=self.claimant, timeout=self.timeout
             )
-        return self._guard
+        return OnceGuard(opened[0], opened[1], claimant=self.claimant, timeout=self.timeout)
 
     def close(self) -> None:
-        """Close the connection and stop the loop thread (the next use reopens them)."""
-        if not self._loop.is_running:
-            return
-
-        async def close() -> None:
-            backend, self._backend, self._guard, self._opening = self._backend, None, None, None
-            if backend is not None:
-                await backend.close()
-
-        with contextlib.suppress(Exception):
-            self._loop.run(close(), self.timeout + 1.0)
-        self._loop.stop()
-        with self._instances_lock:
-            for key, service in list(self._instances.items()):
-                if service is self:
-                    del self._instances[key]
+        """Close the process's client (its connection and loop thread; the next use reopens)."""
+        self.client.close()
 
     @contextlib.contextmanager
     def renewing(self, claim: Claim) -> Any:
@@ -217,15 +175,18 @@ class OnceService:
                 except ElectionError as exc:
                     logger.warning("could not renew the claim on %r: %s", claim.key, exc)
 
-        future = self._loop.submit(self._with_guard(renew))
+        client = self.client
+        future = client.submit(self._with_guard(client, renew))
         try:
             yield current
         finally:
             stop.set()
             future.cancel()
 
-    async def _with_guard(self, coro: Callable[[OnceGuard], Coroutine[Any, Any, None]]) -> None:
-        await coro(await self._open())
+    async def _with_guard(
+        self, client: ProcessClient, coro: Callable[[OnceGuard], Coroutine[Any, Any, None]]
+    ) -> None:
+        await coro(await self._open(client))
 
 
 def _guarded(task: Any) -> bool:

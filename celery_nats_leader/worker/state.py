@@ -21,8 +21,9 @@ never trusts a torn read: it retries, and after a bounded number of attempts
 it fails closed ("not leader").
 
 ``validate=True`` needs a KV read. In a child it goes through a
-:class:`~celery_nats_leader.term.TermReader`: one lazily created event-loop
-thread and NATS connection per child process, reused for the child's life.
+:class:`~celery_nats_leader.term.TermReader`, on the child's one
+:class:`~celery_nats_leader.process_client.ProcessClient` (the event-loop
+thread and NATS connection that the once-guard and the beat fence use too).
 """
 
 from __future__ import annotations
@@ -313,8 +314,7 @@ class WorkerLeadership:
         self.connection = connection
         self.request_timeouts = dict(request_timeouts)
         self.main_pid = os.getpid()
-        self._reader: TermReader | None = None
-        self._reader_lock = threading.Lock()
+        self._reader = TermReader(connection, bucket)
 
     @property
     def in_main_process(self) -> bool:
@@ -349,7 +349,7 @@ class WorkerLeadership:
         if self.in_main_process:
             return self.local.validate(role, token, timeout)
         limit = timeout if timeout is not None else 2 * self.request_timeouts.get(role, 1.0)
-        ok = self._term_reader().holds(role, token, self.instance_id, timeout=limit)
+        ok = self._reader.holds(role, token, self.instance_id, timeout=limit)
         self.shared.count_validation(role, ok)
         if ok:
             # The parent may have been demoted while we read: re-check the slot.
@@ -360,16 +360,6 @@ class WorkerLeadership:
             # it look now in case its watch went blind.
             self.shared.request_validation(role)
         return ok
-
-    def _term_reader(self) -> TermReader:
-        with self._reader_lock:
-            reader = self._reader
-            if reader is None or reader.pid != os.getpid():
-                # First use in this child (or inherited from the parent over
-                # fork, where its thread does not exist): build our own.
-                reader = TermReader(self.connection, self.bucket, name="celery-nats-leader-child")
-                self._reader = reader
-            return reader
 
 
 class _Process:

@@ -30,6 +30,7 @@ from celery_nats_leader import (
     leader_service,
     run_once,
 )
+from celery_nats_leader.beat import FencedBeatTask
 from celery_nats_leader.testing import kombu_fs
 
 # kombu's filesystem transport writes a message file non-atomically: a polling
@@ -120,6 +121,16 @@ def make_app(config: dict[str, Any]) -> Celery:
     def record_validated(
         self: Any, seq: int, work: float = 0.0, leader_token: Any = None, **kw: Any
     ) -> str:
+        return body(self, seq, work, leader_token, kw.get("hold"))
+
+    @app.task(shared=False, bind=True, name="cnl.record_fenced", base=FencedBeatTask)
+    @leader_only(role=role, validate=True)
+    @run_once
+    def record_fenced(
+        self: Any, seq: int, work: float = 0.0, leader_token: Any = None, **kw: Any
+    ) -> str:
+        # Every guard at once: the beat token in the headers, the worker's
+        # term validated against KV, the task id claimed in the once-guard.
         return body(self, seq, work, leader_token, kw.get("hold"))
 
     @app.task(shared=False, bind=True, name="cnl.record_class", base=LeaderTask, leader_role=role)
