@@ -78,7 +78,7 @@ def test_standalone_beat_serves_health_and_readiness(
         code, body = get(port, "/healthz")
         assert (code, body["checks"]["election_loop"]) == (200, True)
         metrics = get(port, "/metrics")[1]
-        assert 'nats_leader_is_leader{bucket="leaders",instance=' in metrics
+        assert 'nats_leader_is_leader{bucket="leaders",instance_id=' in metrics
     assert "nats_leader_beat_ticks_total" in get(ports[leader], "/metrics")[1]
 
     # NATS down: not ready (an orchestrator stops routing to them), still live.
