@@ -527,13 +527,25 @@ class BaseElection(abc.ABC):
         return await self._open_backend()
 
     async def _launch(self, wait: float) -> None:
-        """Start the main loop, then wait up to ``wait`` seconds for the first decision."""
+        """Start the main loop, then wait up to ``wait`` seconds for the first decision.
+
+        Returns once the decision's callbacks (promote, leader change) have
+        returned too, within the same ``wait``: they were queued when the
+        decision was made. Waiting for them explicitly is what makes that
+        order hold; before, it hung on ``asyncio.wait_for`` taking one more
+        loop iteration to resume this coroutine (it wrapped the awaitable in
+        a task up to Python 3.11; from 3.12 it awaits it directly, and
+        ``start()`` returned before an async ``on_promote`` had run).
+        """
         assert self._decided is not None
-        self._main_task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"{self._name_prefix}-{self.role}"
-        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        self._main_task = loop.create_task(self._run(), name=f"{self._name_prefix}-{self.role}")
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._decided.wait(), wait)
+        if self._decided.is_set():
+            callbacks_done = self._callbacks.barrier()
+            await asyncio.wait({callbacks_done}, timeout=max(0.0, deadline - loop.time()))
 
     async def _open_backend(self) -> Backend:
         if self._backend is not None:

@@ -134,10 +134,12 @@ class Election(BaseElection):
 
         Opens the bucket (failing fast on permanent problems), starts the
         watch and the state machine, and waits until the first campaign has
-        decided whether this process leads or follows.
+        decided whether this process leads or follows, and the callbacks of
+        that decision (``on_promote``, ``on_leader_change``) have returned.
 
         Args:
-            wait: Seconds to wait for that first decision; default the TTL.
+            wait: Seconds to wait for that first decision and its callbacks;
+                default the TTL.
 
         Raises:
             BucketNotFoundError: The bucket is missing and ``create_bucket`` is off.

@@ -18,6 +18,7 @@ from celery_nats_leader.clock import ManualClock
 from celery_nats_leader.errors import BucketNotFoundError, ElectionStoppedError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.record import decode_record, encode_record
+from celery_nats_leader.token import FencingToken
 
 TTL = 0.6
 
@@ -280,6 +281,29 @@ async def test_lonely_resigner_takes_the_role_back_after_a_ttl(
     assert not a.election.is_leader
     await asyncio.wait_for(a.promoted.wait(), TTL * 3)
     assert a.promotions[0] < a.promotions[1]
+
+
+async def test_start_returns_once_the_promote_callbacks_have_run(
+    make: Callable[..., Candidate],
+) -> None:
+    """As leader, ``await start()`` returns after ``on_promote`` ran, sync or async.
+
+    It used to depend on how many loop turns ``asyncio.wait_for`` took to
+    resume ``start()``: an async callback had run on Python 3.11 and had not
+    on 3.12+, a sync one (on its thread) had not on any version.
+    """
+    a = make("a")
+    ran: list[int] = []
+
+    @a.election.on_promote
+    def slow_sync_promoted(token: FencingToken) -> None:
+        time.sleep(0.05)
+        ran.append(token.epoch)
+
+    await a.election.start()
+    assert a.election.is_leader
+    assert a.promotions == [1]
+    assert ran == [1]
 
 
 async def test_failing_health_check_resigns(make: Callable[..., Candidate]) -> None:
