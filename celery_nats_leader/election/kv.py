@@ -544,6 +544,10 @@ class Election(BaseElection):
             if entry is not None and record is not None and record.token == token_value:
                 self._win(FencingToken(record.epoch, token_value), entry.revision, send)
                 return
+            # Not ours (yet): should it land later, it is a leftover under a
+            # token we remember (see _clear_leftover), never a term of ours,
+            # so its send time must not date back the lease of a later term.
+            self._unconfirmed_send = None
             self._set_state(ElectionState.FOLLOWER)
             self._observe(entry, authoritative=True)
             if entry is None or entry.revision == expected[0]:
@@ -820,6 +824,9 @@ class Election(BaseElection):
         self._ending_reason = reason
         self._token = None
         self._lease_deadline = 0.0
+        # A renewal of this term whose outcome is unknown says nothing about
+        # the next term's record: left set, it would date that lease back.
+        self._unconfirmed_send = None
         self._cancel_deadline_timer()
 
     def _demote(self, reason: DemoteReason) -> None:
@@ -914,7 +921,9 @@ class Election(BaseElection):
             self._observer.heartbeat(
                 self.role, self.instance_id, self._clock.monotonic() - send, False
             )
-            if isinstance(exc, BackendTimeoutError):
+            if isinstance(exc, BackendTimeoutError) and self._token is token:
+                # (A term that ended while the write was in flight has no
+                # lease left to date back: see _drop_term.)
                 self._unconfirmed_send = (
                     send if self._unconfirmed_send is None else self._unconfirmed_send
                 )
