@@ -92,6 +92,7 @@ class Election(BaseElection):
         self._renewal_value = b""
         self._unconfirmed_send: float | None = None
         self._deadline_timer: asyncio.TimerHandle | None = None
+        self._hand_over_task: asyncio.Task[None] | None = None
 
         # What we know of the key (both sides).
         self._leader: LeaderRecord | None = None
@@ -214,7 +215,12 @@ class Election(BaseElection):
         was_leader = self._state is ElectionState.LEADER
         token = self._token
         revision = self._revision
+        hand_over = self._hand_over_task
         await self._cancel_main()
+        if hand_over is not None and not hand_over.done():
+            # A release (resign, failed health check, takeover) is under way:
+            # let it delete the key, or the successor waits out the TTL.
+            await asyncio.wait({hand_over})
         if was_leader and token is not None:
             self._drop_term(DemoteReason.STOPPED)
             self._set_state(ElectionState.STOPPED)
@@ -999,9 +1005,20 @@ class Election(BaseElection):
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: stepping down (%s)", self.role, reason.value)
         self._stop_health_watch()
+        # In a task of its own, which stop() lets finish: stop() cancels the
+        # main loop, and a release cancelled there left the key in place, so
+        # the successor waited a whole TTL instead of milliseconds.
+        hand_over = asyncio.get_running_loop().create_task(
+            self._hand_over(reason, token, revision), name=f"release-{self.role}"
+        )
+        self._hand_over_task = hand_over
+        await asyncio.shield(hand_over)
+        self.wake()
+
+    async def _hand_over(self, reason: DemoteReason, token: FencingToken, revision: int) -> None:
+        """The release proper: demote callbacks, then the key goes."""
         await self._notify_demoted(reason)
         await self._delete_own_key(token, revision)
-        self.wake()
 
     async def _delete_own_key(self, token: FencingToken, revision: int) -> None:
         """Delete the key only at our revision: never a successor's record."""

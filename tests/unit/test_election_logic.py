@@ -319,6 +319,34 @@ async def test_failing_health_check_resigns(make: Callable[..., Candidate]) -> N
     await asyncio.wait_for(b.promoted.wait(), 1)
 
 
+async def test_stop_during_a_release_still_hands_over_in_milliseconds(
+    make: Callable[..., Candidate],
+) -> None:
+    """stop() while a failed health check's release runs: the key still goes at once."""
+    healthy = threading.Event()
+    healthy.set()
+    a = make("a", ttl=2.0, health_check=healthy.is_set, health_check_failures=1)
+    b = make("b", ttl=2.0)
+    leader_work_stopped = asyncio.Event()
+
+    @a.election.on_demote
+    async def stop_leader_work(reason: DemoteReason) -> None:
+        await leader_work_stopped.wait()
+
+    await a.election.start()
+    await b.election.start()
+    healthy.clear()
+    await wait_until(lambda: a.demotions == [DemoteReason.HEALTH_CHECK_FAILED])
+    stopping = asyncio.ensure_future(a.election.stop())
+    await wait_until(lambda: a.election._main_task is None)  # stop() cancelled the loop
+    released_at = time.monotonic()
+    leader_work_stopped.set()
+    await asyncio.wait_for(b.promoted.wait(), 3)
+    assert time.monotonic() - released_at < 0.2  # not the TTL (2 s)
+    await asyncio.wait_for(stopping, 1)
+    assert a.demotions == [DemoteReason.HEALTH_CHECK_FAILED]
+
+
 async def test_garbage_in_the_key_is_someone_elses_until_it_expires(
     make: Callable[..., Candidate], server: MemoryServer, caplog: pytest.LogCaptureFixture
 ) -> None:
