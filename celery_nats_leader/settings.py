@@ -27,7 +27,12 @@ from celery_nats_leader.config import (
     validate_bucket,
     validate_key,
 )
-from celery_nats_leader.constants import DEFAULT_BUCKET, DEFAULT_SERVERS, DEFAULT_TTL_SECONDS
+from celery_nats_leader.constants import (
+    DEFAULT_BUCKET,
+    DEFAULT_DEMOTE_TIMEOUT_SECONDS,
+    DEFAULT_SERVERS,
+    DEFAULT_TTL_SECONDS,
+)
 from celery_nats_leader.errors import ConfigError
 from celery_nats_leader.nats.connection import ConnectOptions
 
@@ -71,6 +76,9 @@ class LeaderSettings:
 
     validation_interval: float = 0.0
     """Seconds between background token validations while leading; 0 = off."""
+
+    demote_timeout: float = DEFAULT_DEMOTE_TIMEOUT_SECONDS
+    """Seconds a stop or a release waits for the demote callbacks."""
 
     priority: int = 0
     """Higher is preferred."""
@@ -246,6 +254,7 @@ class LeaderSettings:
             "request_timeout": self.request_timeout,
             "disconnect_grace": self.disconnect_grace,
             "validation_interval": self.validation_interval,
+            "demote_timeout": self.demote_timeout,
             "priority": self.priority,
             "allow_takeover": self.allow_takeover,
             "create_bucket": self.create_bucket,

@@ -569,7 +569,7 @@ class BaseElection(abc.ABC):
         await self._flush_events()
         await self._unsubscribe_all()
         self._stop_health_watch()
-        await self._callbacks.stop()
+        await self._callbacks.stop(self.config.demote_timeout)
         await self._close_own_backend()
         if self._leading is not None:
             self._leading.set()
@@ -647,6 +647,24 @@ class BaseElection(abc.ABC):
         term_age = round(self._clock.monotonic() - self._term_started_at, 3)
         self._emit(kind_of(reason.value), reason.value, term_age)
         return self._callbacks.submit(self._demote_callbacks, reason)
+
+    async def _demote_callbacks_done(self, done: asyncio.Future[None]) -> bool:
+        """Wait for demote callbacks (``done``) at most ``demote_timeout``; whether they returned.
+
+        A stop or a release waits for them so that leader work has stopped
+        before the term is given up; a callback that hangs must not hang the
+        stop, nor freeze the role's loop after a release.
+        """
+        await asyncio.wait({done}, timeout=self.config.demote_timeout)
+        if done.done():
+            return True
+        self._logger.warning(
+            "%s: demote callbacks still running after %.1fs (demote_timeout); "
+            "not releasing the term, it ends when its lease runs out",
+            self.role,
+            self.config.demote_timeout,
+        )
+        return False
 
     def _emit(self, kind: EventKind, reason: str | None, term_age: float) -> None:
         """Queue one transition event; published in order, never on the renewal path."""

@@ -140,13 +140,23 @@ class CallbackRunner:
             if not done.done():
                 done.set_result(None)
 
-    async def stop(self) -> None:
-        """Let queued callbacks finish, then stop."""
+    async def stop(self, timeout: float | None = None) -> None:
+        """Let queued callbacks finish (for at most ``timeout`` seconds), then stop.
+
+        A synchronous callback still running then is left to its thread (a
+        daemon: it cannot keep the process from exiting).
+        """
         if self._task is None:
             return
         drained = self.barrier()
         with contextlib.suppress(asyncio.CancelledError):
-            await drained
+            await asyncio.wait({drained}, timeout=timeout)
+        if not drained.done():
+            logger.warning(
+                "%s: callbacks still running after %.1fs; stopping without them",
+                self._name,
+                timeout,
+            )
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task

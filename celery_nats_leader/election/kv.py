@@ -224,8 +224,8 @@ class Election(BaseElection):
         if was_leader and token is not None:
             self._drop_term(DemoteReason.STOPPED)
             self._set_state(ElectionState.STOPPED)
-            await self._notify_demoted(DemoteReason.STOPPED)
-            if self.config.release_on_stop:
+            returned = await self._demote_callbacks_done(self._notify_demoted(DemoteReason.STOPPED))
+            if self.config.release_on_stop and returned:
                 # Conditional on our revision: never deletes a successor's record.
                 await self._delete_own_key(token, revision)
         self._set_state(ElectionState.STOPPED)
@@ -720,14 +720,7 @@ class Election(BaseElection):
         assert self._bucket is not None
         # Forget the tokens first: whatever happens below, this runs once.
         self._issued_tokens.clear()
-        callbacks_done = self._callbacks.barrier()
-        await asyncio.wait({callbacks_done}, timeout=self.config.ttl)
-        if not callbacks_done.done():
-            logger.warning(
-                "%s: demote callbacks still running after %.1fs; leaving our old record to expire",
-                self.role,
-                self.config.ttl,
-            )
+        if not await self._demote_callbacks_done(self._callbacks.barrier()):
             return
         logger.info("%s: clearing a leftover record of ours (epoch %d)", self.role, record.epoch)
         timeout = self.config.request_timeout
@@ -1017,8 +1010,8 @@ class Election(BaseElection):
 
     async def _hand_over(self, reason: DemoteReason, token: FencingToken, revision: int) -> None:
         """The release proper: demote callbacks, then the key goes."""
-        await self._notify_demoted(reason)
-        await self._delete_own_key(token, revision)
+        if await self._demote_callbacks_done(self._notify_demoted(reason)):
+            await self._delete_own_key(token, revision)
 
     async def _delete_own_key(self, token: FencingToken, revision: int) -> None:
         """Delete the key only at our revision: never a successor's record."""

@@ -347,6 +347,37 @@ async def test_stop_during_a_release_still_hands_over_in_milliseconds(
     assert a.demotions == [DemoteReason.HEALTH_CHECK_FAILED]
 
 
+async def test_a_hanging_demote_callback_is_waited_for_demote_timeout_only(
+    make: Callable[..., Candidate], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sync ``on_demote`` that never returns: resign() and stop() still return.
+
+    The term is not released (leader work may still be stopping) but left to
+    expire, and the role's loop goes on: the lone candidate leads again.
+    """
+    a = make("a", demote_timeout=0.2)
+    hang = threading.Event()
+
+    @a.election.on_demote
+    def never_returns(reason: DemoteReason) -> None:
+        hang.wait()
+
+    try:
+        await a.election.start()
+        a.promoted.clear()
+        started = time.monotonic()
+        await asyncio.wait_for(a.election.resign(), 2)
+        assert 0.2 <= time.monotonic() - started < 0.5
+        assert "demote callbacks still running after 0.2s (demote_timeout)" in caplog.text
+        # Its record expires (nobody deleted it) and the loop campaigns again.
+        await wait_until(lambda: a.election.is_leader, timeout=TTL * 4)
+        started = time.monotonic()
+        await asyncio.wait_for(a.election.stop(), 2)
+        assert time.monotonic() - started < 0.2 * 2 + 0.3
+    finally:
+        hang.set()
+
+
 async def test_garbage_in_the_key_is_someone_elses_until_it_expires(
     make: Callable[..., Candidate], server: MemoryServer, caplog: pytest.LogCaptureFixture
 ) -> None:
