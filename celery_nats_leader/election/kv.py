@@ -363,7 +363,12 @@ class Election(BaseElection):
         Args:
             leaving: The holder of the term that ends (not in line).
         """
-        points, rank = self._roster.place(self._clock.monotonic(), leaving=leaving)
+        now = self._clock.monotonic()
+        points, rank = self._roster.place(now, leaving=leaving)
+        if leaving == self.instance_id:
+            # Our own term ended under us (the key deleted by hand, or ours
+            # expired): the others in line go first, we come last.
+            rank = len(self._roster.live(now))
         lag = min(c.MAX_PRIORITY_LAG_SECONDS, self.config.priority_step * points)
         if rank == 0:
             return lag
