@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -133,3 +134,131 @@ async def test_a_term_won_long_after_a_timed_out_write_gets_a_whole_lease(
     assert election.lease_remaining == pytest.approx(election.config.lease_seconds)
     # Not promoted, then demoted at birth by a lease that ran out a minute ago.
     assert DemoteReason.LEASE_EXPIRED not in candidate.demotions
+
+
+async def test_background_validation_finds_a_foreign_record_and_demotes(
+    server: MemoryServer, clock: ManualClock
+) -> None:
+    """``validation_interval``: between two renewals, a read finds someone else's record.
+
+    The record is replaced without a watch event reaching the leader (a
+    blind watch), half a heartbeat before its next renewal would notice.
+    """
+    backend = MemoryBackend(server)
+    heartbeat = TTL / 4
+    config = ElectionConfig(
+        role="beat",
+        ttl=TTL,
+        instance_id="a",
+        create_bucket=True,
+        validation_interval=1.5 * heartbeat,
+    )
+    a = Watched(Election(config, backend=backend, clock=clock), backend)
+    try:
+        await a.election.start()
+        await _step(a.election, clock, heartbeat)  # renewed at t0 + 1 heartbeat
+        assert a.election.is_leader
+        state = server.buckets["leaders"]
+        watchers, state.watchers = state.watchers, []
+        foreign = encode_record(instance_id="b", token="other", epoch=None, priority=0, meta={})
+        await MemoryBucket(MemoryBackend(server), "leaders").put("beat", foreign, timeout=1)
+        state.watchers = watchers
+        await _step(a.election, clock, heartbeat / 2)  # t0 + 1.5: validation, no renewal yet
+        assert a.demotions == [DemoteReason.TOKEN_MISMATCH]
+        assert not a.election.is_leader
+    finally:
+        await a.election.stop()
+
+
+class DriftingClock:
+    """A monotonic clock that runs at ``rate`` times the true one (a drifting oscillator)."""
+
+    def __init__(self, true: ManualClock, rate: float) -> None:
+        self._true = true
+        self._rate = rate
+        self._origin = true.monotonic()
+
+    def monotonic(self) -> float:
+        return 1000.0 + (self._true.monotonic() - self._origin) * self._rate
+
+
+def _cut_off(monkeypatch: pytest.MonkeyPatch, backend: MemoryBackend, election: Election) -> None:
+    """Every write and read of ``backend`` times out at once, its watch goes silent.
+
+    A leader partitioned from the store, with nothing to tell it so.
+    """
+    state = backend.server.buckets["leaders"]
+    state.watchers = [w for w in state.watchers if getattr(w[1], "__self__", None) is not election]
+    for method in ("update", "get"):
+        original = getattr(MemoryBucket, method)
+
+        async def cut(self: MemoryBucket, *args: object, _orig: Any = original, **kw: Any) -> Any:
+            if self._backend is backend:
+                raise BackendTimeoutError("no answer")
+            return await _orig(self, *args, **kw)
+
+        monkeypatch.setattr(MemoryBucket, method, cut)
+
+
+@pytest.mark.parametrize(
+    ("leader_rate", "follower_rate", "safe"),
+    [
+        (1.0, 1.0, True),
+        (0.92, 1.0, True),  # the leader's clock 8 % slow
+        (1.0, 1.08, True),  # the follower's 8 % fast
+        (0.95, 1.04, True),  # both, 8.7 % apart
+        (0.905, 1.0, True),  # just inside the bound (90 % of the store's TTL)
+        (1.0, 1.11, True),  # the follower alone 11 % fast: (ttl - margin) / (ttl + 10 ms)
+        (0.85, 1.0, False),  # 15 %: beyond the bound, the terms overlap
+    ],
+)
+async def test_the_lease_margin_covers_clock_rate_drift_up_to_the_documented_bound(
+    monkeypatch: pytest.MonkeyPatch, leader_rate: float, follower_rate: float, safe: bool
+) -> None:
+    """A partitioned leader and a follower whose monotonic clocks run at different rates.
+
+    The leader leads until ``send + ttl - lease_margin`` on its clock; the
+    follower deletes the record at ``seen + ttl + 10 ms`` on its own; the
+    store expires it at ``store + ttl`` on its own. docs/design.md: no overlap
+    while the leader's clock measures a duration at least
+    ``(ttl - lease_margin) / ttl`` (90 %) of what the others measure.
+    """
+    true = ManualClock()
+    server = MemoryServer(true)
+    backends = {name: MemoryBackend(server) for name in ("a", "b")}
+    rates = {"a": leader_rate, "b": follower_rate}
+    elections = {
+        name: Watched(
+            Election(
+                ElectionConfig(role="beat", ttl=TTL, instance_id=name, create_bucket=True),
+                backend=backends[name],
+                clock=DriftingClock(true, rates[name]),
+            ),
+            backends[name],
+        )
+        for name in ("a", "b")
+    }
+    a, b = elections["a"].election, elections["b"].election
+    try:
+        await a.start()
+        assert a.is_leader
+        _cut_off(monkeypatch, backends["a"], a)  # no renewal of a's lands from now on
+        await b.start(wait=0)
+        overlap = 0.0
+        step = 0.002
+        while not b.is_leader:
+            assert true.monotonic() < 1000.0 + 2 * TTL, "b never took over"
+            true.advance(step)
+            a.wake()
+            b.wake()
+            await _turns(20)
+            if a.is_leader and b.is_leader:
+                overlap += step
+        if safe:
+            assert overlap == 0.0
+            assert elections["a"].demotions == [DemoteReason.LEASE_EXPIRED]
+        else:
+            assert overlap > 0.0  # the test does see a violation when there is one
+    finally:
+        for election in (a, b):
+            await election.stop()
