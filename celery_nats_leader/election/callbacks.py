@@ -24,8 +24,12 @@ logger = logging.getLogger(__name__)
 Callback = Callable[..., Any]
 
 
-def _nothing() -> None:
-    """A callback that does nothing: queued behind others, it marks their end."""
+async def _nothing() -> None:
+    """A callback that does nothing: queued behind others, it marks their end.
+
+    A coroutine function, so that it runs on the loop: a barrier must not
+    start the worker thread that only synchronous callbacks need.
+    """
 
 
 class DaemonExecutor(concurrent.futures.Executor):
