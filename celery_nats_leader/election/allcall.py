@@ -245,8 +245,8 @@ class AllcallElection(BaseElection):
         is not needed) and enters the init phase, in which this process
         answers allcalls and adopts the claims it hears but starts no term
         for ``ttl + max_clock_skew``. Returns once the current leader is
-        known (and the callbacks that news triggered have returned), which
-        takes about one heartbeat when somebody leads; when nobody does, it
+        known (when it is this process, once its ``on_promote`` callbacks have
+        returned), which takes about one heartbeat when somebody leads; when nobody does, it
         returns after ``wait`` and the election goes on in the background
         (use :meth:`wait_for_leadership`).
 

@@ -529,13 +529,14 @@ class BaseElection(abc.ABC):
     async def _launch(self, wait: float) -> None:
         """Start the main loop, then wait up to ``wait`` seconds for the first decision.
 
-        Returns once the decision's callbacks (promote, leader change) have
-        returned too, within the same ``wait``: they were queued when the
-        decision was made. Waiting for them explicitly is what makes that
-        order hold; before, it hung on ``asyncio.wait_for`` taking one more
-        loop iteration to resume this coroutine (it wrapped the awaitable in
-        a task up to Python 3.11; from 3.12 it awaits it directly, and
-        ``start()`` returned before an async ``on_promote`` had run).
+        When the decision is to lead, returns once the promote callbacks
+        (queued with it) have returned too, within the same ``wait``. Waiting
+        for them explicitly is what makes that order hold; before, it hung on
+        ``asyncio.wait_for`` taking one more loop iteration to resume this
+        coroutine (it wrapped the awaitable in a task up to Python 3.11; from
+        3.12 it awaits it directly, and ``start()`` returned before an async
+        ``on_promote`` had run). A follower returns at once: a barrier costs
+        loop turns, which a loop busy with many candidates makes long.
         """
         assert self._decided is not None
         loop = asyncio.get_running_loop()
@@ -543,7 +544,7 @@ class BaseElection(abc.ABC):
         self._main_task = loop.create_task(self._run(), name=f"{self._name_prefix}-{self.role}")
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._decided.wait(), wait)
-        if self._decided.is_set():
+        if self._decided.is_set() and self.is_leader:
             callbacks_done = self._callbacks.barrier()
             await asyncio.wait({callbacks_done}, timeout=max(0.0, deadline - loop.time()))
 

@@ -135,8 +135,8 @@ class Election(BaseElection):
 
         Opens the bucket (failing fast on permanent problems), starts the
         watch and the state machine, and waits until the first campaign has
-        decided whether this process leads or follows, and the callbacks of
-        that decision (``on_promote``, ``on_leader_change``) have returned.
+        decided whether this process leads or follows; when it leads, once
+        its ``on_promote`` callbacks have returned too.
 
         Args:
             wait: Seconds to wait for that first decision and its callbacks;
