@@ -363,12 +363,7 @@ class Election(BaseElection):
         Args:
             leaving: The holder of the term that ends (not in line).
         """
-        now = self._clock.monotonic()
-        points, rank = self._roster.place(now, leaving=leaving)
-        if leaving == self.instance_id:
-            # Our own term ended under us (the key deleted by hand, or ours
-            # expired): the others in line go first, we come last.
-            rank = len(self._roster.live(now))
+        points, rank = self._roster.place(self._clock.monotonic(), leaving=leaving)
         lag = min(c.MAX_PRIORITY_LAG_SECONDS, self.config.priority_step * points)
         if rank == 0:
             return lag
@@ -842,6 +837,11 @@ class Election(BaseElection):
             # The operator fenced this process because it was stuck: let a
             # live candidate take the role rather than campaign again at once.
             self._sit_out_until = self._clock.monotonic() + self.config.ttl
+        elif reason is DemoteReason.KEY_DELETED:
+            # Someone deleted our key (an operator, by hand): a follower takes
+            # the role. We come back a heartbeat later if nobody did: a lag
+            # in campaign order alone loses the race on a busy host.
+            self._sit_out_until = self._clock.monotonic() + self.config.heartbeat_interval
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: demoted (%s)", self.role, reason.value)
         self._stop_health_watch()
