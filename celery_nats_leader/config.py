@@ -179,6 +179,12 @@ class ElectionConfig:
     validation_interval: float = 0.0
     """Seconds between background token validations while leading; ``0`` = off."""
 
+    demote_timeout: float = c.DEFAULT_DEMOTE_TIMEOUT_SECONDS
+    """Seconds a stop or a release (resign, failed health check, takeover)
+    waits for the demote callbacks. When they take longer it is logged, and the
+    term is not released but left to expire: a successor then waits for the
+    TTL, never starts while leader work may still be stopping."""
+
     resync_interval: float = 0.0
     """Seconds between reads that back up the key watch; ``0`` means the heartbeat."""
 
@@ -280,6 +286,12 @@ class ElectionConfig:
                 "use 0 (off) or a value >= the heartbeat (each validation is a KV read)"
             )
         resync = _seconds("resync_interval", self.resync_interval) or heartbeat
+        demote_timeout = _seconds("demote_timeout", self.demote_timeout)
+        if demote_timeout <= 0:
+            raise ConfigError(
+                f"demote_timeout={demote_timeout} must be positive: the seconds a stop or a "
+                "release waits for the demote callbacks"
+            )
         jitter = _seconds("campaign_jitter", self.campaign_jitter)
         step = _seconds("priority_step", self.priority_step)
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
@@ -305,6 +317,7 @@ class ElectionConfig:
             "health_check_interval": health_interval,
             "validation_interval": validation,
             "resync_interval": resync,
+            "demote_timeout": demote_timeout,
             "campaign_jitter": jitter,
             "priority_step": step,
             "max_clock_skew": skew,

@@ -79,6 +79,10 @@ FOLLOWER_EXPIRY_MARGIN_SECONDS = 0.01
 #: Consecutive health-check failures that make a leader resign.
 DEFAULT_HEALTH_CHECK_FAILURES = 3
 
+#: Seconds a stop or a release waits for the demote callbacks (``demote_timeout``).
+#: Below the elector's 10-s stop bound, so that a stop still ends in order.
+DEFAULT_DEMOTE_TIMEOUT_SECONDS = 5.0
+
 #: Exponential backoff for transient errors.
 BACKOFF_INITIAL_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 5.0

@@ -101,6 +101,9 @@ class LeaderSettings:
     validation_interval: float = election_field("validation_interval")
     """Seconds between background token validations while leading; 0 = off."""
 
+    demote_timeout: float = election_field("demote_timeout")
+    """Seconds a stop or a release waits for the demote callbacks."""
+
     priority: int = election_field("priority")
     """Higher is preferred."""
 

@@ -245,9 +245,10 @@ class AllcallElection(BaseElection):
         is not needed) and enters the init phase, in which this process
         answers allcalls and adopts the claims it hears but starts no term
         for ``ttl + max_clock_skew``. Returns once the current leader is
-        known, which takes about one heartbeat when somebody leads; when
-        nobody does, it returns after ``wait`` and the election goes on in
-        the background (use :meth:`wait_for_leadership`).
+        known (when it is this process, once its ``on_promote`` callbacks have
+        returned), which takes about one heartbeat when somebody leads; when nobody does, it
+        returns after ``wait`` and the election goes on in the background
+        (use :meth:`wait_for_leadership`).
 
         Args:
             wait: Seconds to wait for a leader to be known; default two
@@ -307,9 +308,10 @@ class AllcallElection(BaseElection):
         self._token = None
         self._lease_deadline = 0.0
         self._set_state(ElectionState.STOPPED)
+        returned = True
         if was_leader:
-            await self._notify_demoted(DemoteReason.STOPPED)
-        released = claim if self.config.release_on_stop else None
+            returned = await self._demote_callbacks_done(self._notify_demoted(DemoteReason.STOPPED))
+        released = claim if self.config.release_on_stop and returned else None
         if released is not None:
             self._forget_claim(released)
         # Even without a claim to release, tell the others we are gone so
@@ -898,7 +900,9 @@ class AllcallElection(BaseElection):
         # Sit out one TTL so that someone else takes the role.
         self._sit_out_until = self._clock.monotonic() + self.config.ttl
         logger.info("%s: stepping down (%s)", self.role, reason.value)
-        await self._notify_demoted(reason)
+        if not await self._demote_callbacks_done(self._notify_demoted(reason)):
+            self.wake()
+            return  # the claim is left to lapse, as if this process had died
         self._forget_claim(claim)
         await self._publish(ALLCALL_VERB, self._message("release", claim=claim))
         logger.info("%s: released the term (epoch %d)", self.role, claim.epoch)

@@ -527,13 +527,26 @@ class BaseElection(abc.ABC):
         return await self._open_backend()
 
     async def _launch(self, wait: float) -> None:
-        """Start the main loop, then wait up to ``wait`` seconds for the first decision."""
+        """Start the main loop, then wait up to ``wait`` seconds for the first decision.
+
+        When the decision is to lead, returns once the promote callbacks
+        (queued with it) have returned too, within the same ``wait``. Waiting
+        for them explicitly is what makes that order hold; before, it hung on
+        ``asyncio.wait_for`` taking one more loop iteration to resume this
+        coroutine (it wrapped the awaitable in a task up to Python 3.11; from
+        3.12 it awaits it directly, and ``start()`` returned before an async
+        ``on_promote`` had run). A follower returns at once: a barrier costs
+        loop turns, which a loop busy with many candidates makes long.
+        """
         assert self._decided is not None
-        self._main_task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"{self._name_prefix}-{self.role}"
-        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        self._main_task = loop.create_task(self._run(), name=f"{self._name_prefix}-{self.role}")
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._decided.wait(), wait)
+        if self._decided.is_set() and self.is_leader:
+            callbacks_done = self._callbacks.barrier()
+            await asyncio.wait({callbacks_done}, timeout=max(0.0, deadline - loop.time()))
 
     async def _open_backend(self) -> Backend:
         if self._backend is not None:
@@ -557,7 +570,7 @@ class BaseElection(abc.ABC):
         await self._flush_events()
         await self._unsubscribe_all()
         self._stop_health_watch()
-        await self._callbacks.stop()
+        await self._callbacks.stop(self.config.demote_timeout)
         await self._close_own_backend()
         if self._leading is not None:
             self._leading.set()
@@ -635,6 +648,24 @@ class BaseElection(abc.ABC):
         term_age = round(self._clock.monotonic() - self._term_started_at, 3)
         self._emit(kind_of(reason.value), reason.value, term_age)
         return self._callbacks.submit(self._demote_callbacks, reason)
+
+    async def _demote_callbacks_done(self, done: asyncio.Future[None]) -> bool:
+        """Wait for demote callbacks (``done``) at most ``demote_timeout``; whether they returned.
+
+        A stop or a release waits for them so that leader work has stopped
+        before the term is given up; a callback that hangs must not hang the
+        stop, nor freeze the role's loop after a release.
+        """
+        await asyncio.wait({done}, timeout=self.config.demote_timeout)
+        if done.done():
+            return True
+        self._logger.warning(
+            "%s: demote callbacks still running after %.1fs (demote_timeout); "
+            "not releasing the term, it ends when its lease runs out",
+            self.role,
+            self.config.demote_timeout,
+        )
+        return False
 
     def _emit(self, kind: EventKind, reason: str | None, term_age: float) -> None:
         """Queue one transition event; published in order, never on the renewal path."""

@@ -24,8 +24,12 @@ logger = logging.getLogger(__name__)
 Callback = Callable[..., Any]
 
 
-def _nothing() -> None:
-    """A callback that does nothing: queued behind others, it marks their end."""
+async def _nothing() -> None:
+    """A callback that does nothing: queued behind others, it marks their end.
+
+    A coroutine function, so that it runs on the loop: a barrier must not
+    start the worker thread that only synchronous callbacks need.
+    """
 
 
 class DaemonExecutor(concurrent.futures.Executor):
@@ -140,13 +144,23 @@ class CallbackRunner:
             if not done.done():
                 done.set_result(None)
 
-    async def stop(self) -> None:
-        """Let queued callbacks finish, then stop."""
+    async def stop(self, timeout: float | None = None) -> None:
+        """Let queued callbacks finish (for at most ``timeout`` seconds), then stop.
+
+        A synchronous callback still running then is left to its thread (a
+        daemon: it cannot keep the process from exiting).
+        """
         if self._task is None:
             return
         drained = self.barrier()
         with contextlib.suppress(asyncio.CancelledError):
-            await drained
+            await asyncio.wait({drained}, timeout=timeout)
+        if not drained.done():
+            logger.warning(
+                "%s: callbacks still running after %.1fs; stopping without them",
+                self._name,
+                timeout,
+            )
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task

@@ -92,6 +92,7 @@ class Election(BaseElection):
         self._renewal_value = b""
         self._unconfirmed_send: float | None = None
         self._deadline_timer: asyncio.TimerHandle | None = None
+        self._hand_over_task: asyncio.Task[None] | None = None
 
         # What we know of the key (both sides).
         self._leader: LeaderRecord | None = None
@@ -134,10 +135,12 @@ class Election(BaseElection):
 
         Opens the bucket (failing fast on permanent problems), starts the
         watch and the state machine, and waits until the first campaign has
-        decided whether this process leads or follows.
+        decided whether this process leads or follows; when it leads, once
+        its ``on_promote`` callbacks have returned too.
 
         Args:
-            wait: Seconds to wait for that first decision; default the TTL.
+            wait: Seconds to wait for that first decision and its callbacks;
+                default the TTL.
 
         Raises:
             BucketNotFoundError: The bucket is missing and ``create_bucket`` is off.
@@ -212,12 +215,17 @@ class Election(BaseElection):
         was_leader = self._state is ElectionState.LEADER
         token = self._token
         revision = self._revision
+        hand_over = self._hand_over_task
         await self._cancel_main()
+        if hand_over is not None and not hand_over.done():
+            # A release (resign, failed health check, takeover) is under way:
+            # let it delete the key, or the successor waits out the TTL.
+            await asyncio.wait({hand_over})
         if was_leader and token is not None:
             self._drop_term(DemoteReason.STOPPED)
             self._set_state(ElectionState.STOPPED)
-            await self._notify_demoted(DemoteReason.STOPPED)
-            if self.config.release_on_stop:
+            returned = await self._demote_callbacks_done(self._notify_demoted(DemoteReason.STOPPED))
+            if self.config.release_on_stop and returned:
                 # Conditional on our revision: never deletes a successor's record.
                 await self._delete_own_key(token, revision)
         self._set_state(ElectionState.STOPPED)
@@ -542,6 +550,10 @@ class Election(BaseElection):
             if entry is not None and record is not None and record.token == token_value:
                 self._win(FencingToken(record.epoch, token_value), entry.revision, send)
                 return
+            # Not ours (yet): should it land later, it is a leftover under a
+            # token we remember (see _clear_leftover), never a term of ours,
+            # so its send time must not date back the lease of a later term.
+            self._unconfirmed_send = None
             self._set_state(ElectionState.FOLLOWER)
             self._observe(entry, authoritative=True)
             if entry is None or entry.revision == expected[0]:
@@ -708,14 +720,7 @@ class Election(BaseElection):
         assert self._bucket is not None
         # Forget the tokens first: whatever happens below, this runs once.
         self._issued_tokens.clear()
-        callbacks_done = self._callbacks.barrier()
-        await asyncio.wait({callbacks_done}, timeout=self.config.ttl)
-        if not callbacks_done.done():
-            logger.warning(
-                "%s: demote callbacks still running after %.1fs; leaving our old record to expire",
-                self.role,
-                self.config.ttl,
-            )
+        if not await self._demote_callbacks_done(self._callbacks.barrier()):
             return
         logger.info("%s: clearing a leftover record of ours (epoch %d)", self.role, record.epoch)
         timeout = self.config.request_timeout
@@ -818,6 +823,9 @@ class Election(BaseElection):
         self._ending_reason = reason
         self._token = None
         self._lease_deadline = 0.0
+        # A renewal of this term whose outcome is unknown says nothing about
+        # the next term's record: left set, it would date that lease back.
+        self._unconfirmed_send = None
         self._cancel_deadline_timer()
 
     def _demote(self, reason: DemoteReason) -> None:
@@ -829,6 +837,11 @@ class Election(BaseElection):
             # The operator fenced this process because it was stuck: let a
             # live candidate take the role rather than campaign again at once.
             self._sit_out_until = self._clock.monotonic() + self.config.ttl
+        elif reason is DemoteReason.KEY_DELETED:
+            # Someone deleted our key (an operator, by hand): a follower takes
+            # the role. We come back a heartbeat later if nobody did: a lag
+            # in campaign order alone loses the race on a busy host.
+            self._sit_out_until = self._clock.monotonic() + self.config.heartbeat_interval
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: demoted (%s)", self.role, reason.value)
         self._stop_health_watch()
@@ -912,7 +925,9 @@ class Election(BaseElection):
             self._observer.heartbeat(
                 self.role, self.instance_id, self._clock.monotonic() - send, False
             )
-            if isinstance(exc, BackendTimeoutError):
+            if isinstance(exc, BackendTimeoutError) and self._token is token:
+                # (A term that ended while the write was in flight has no
+                # lease left to date back: see _drop_term.)
                 self._unconfirmed_send = (
                     send if self._unconfirmed_send is None else self._unconfirmed_send
                 )
@@ -988,9 +1003,20 @@ class Election(BaseElection):
         self._set_state(ElectionState.FOLLOWER)
         logger.info("%s: stepping down (%s)", self.role, reason.value)
         self._stop_health_watch()
-        await self._notify_demoted(reason)
-        await self._delete_own_key(token, revision)
+        # In a task of its own, which stop() lets finish: stop() cancels the
+        # main loop, and a release cancelled there left the key in place, so
+        # the successor waited a whole TTL instead of milliseconds.
+        hand_over = asyncio.get_running_loop().create_task(
+            self._hand_over(reason, token, revision), name=f"release-{self.role}"
+        )
+        self._hand_over_task = hand_over
+        await asyncio.shield(hand_over)
         self.wake()
+
+    async def _hand_over(self, reason: DemoteReason, token: FencingToken, revision: int) -> None:
+        """The release proper: demote callbacks, then the key goes."""
+        if await self._demote_callbacks_done(self._notify_demoted(reason)):
+            await self._delete_own_key(token, revision)
 
     async def _delete_own_key(self, token: FencingToken, revision: int) -> None:
         """Delete the key only at our revision: never a successor's record."""

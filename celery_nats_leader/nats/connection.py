@@ -248,8 +248,23 @@ async def open_backend(
         NatsUnavailableError: No server answered within ``timeout``.
 
     """
-    nc = await connect(options or ConnectOptions(), listeners=listeners, timeout=timeout, name=name)
-    return JetStreamBackend(nc, owns_connection=True)
+    relay = _BackendRelay()
+    nc = await connect(
+        options or ConnectOptions(), listeners=[*listeners, relay], timeout=timeout, name=name
+    )
+    relay.backend = JetStreamBackend(nc, owns_connection=True)
+    return relay.backend
+
+
+class _BackendRelay(ConnectionListener):
+    """Tells the backend of its own connection's reconnects (it restarts its watches)."""
+
+    def __init__(self) -> None:
+        self.backend: JetStreamBackend | None = None
+
+    def reconnected(self) -> None:
+        if self.backend is not None:
+            self.backend.reconnected()
 
 
 __all__ = [

@@ -370,10 +370,16 @@ class JetStreamBucket:
         return float(status.ttl or 0.0)
 
 
+#: Seconds between attempts to restart a watch after a reconnect (doubling, capped).
+_REWATCH_FIRST_DELAY = 0.05
+_REWATCH_MAX_DELAY = 1.0
+
+
 class _SharedWatch:
     """One KV watch of a whole bucket, fanned out to per-key callbacks."""
 
-    def __init__(self, on_empty: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, bucket: JetStreamBucket, on_empty: Callable[[], Awaitable[None]]) -> None:
+        self.bucket = bucket
         self.callbacks: dict[str, list[WatchCallback]] = {}
         self.stop: Callable[[], Awaitable[None]] | None = None
         self.ready = asyncio.Event()
@@ -428,9 +434,55 @@ class JetStreamBackend:
         self.js = nc.jetstream(timeout=js_timeout)
         self.owns_connection = owns_connection
         self._watches: dict[str, _SharedWatch] = {}
+        self._rewatch_task: asyncio.Task[None] | None = None
+
+    def reconnected(self) -> None:
+        """The connection is back: restart every shared watch.
+
+        nats-py subscribes a watch's inbox again after a reconnect, but a
+        nats-server that restarted no longer has the consumer that fed it: the
+        watch stays silent for good (seen on 2.9.10 and 2.15.1), and followers
+        learned of a release only at their next periodic read, a whole
+        ``resync_interval`` late, instead of in milliseconds. A new watch
+        delivers each key's latest entry first, so a change made while the
+        connection was down is reported at once too. Called on the loop by
+        :func:`~celery_nats_leader.nats.open_backend`'s connection.
+        """
+        if not self._watches:
+            return
+        if self._rewatch_task is not None:
+            self._rewatch_task.cancel()
+        self._rewatch_task = asyncio.get_running_loop().create_task(
+            self._rewatch(), name="kv-rewatch"
+        )
+
+    async def _rewatch(self) -> None:
+        for name, shared in list(self._watches.items()):
+            delay = _REWATCH_FIRST_DELAY
+            while self._watches.get(name) is shared and self.nc.is_connected:
+                try:
+                    stop = await shared.bucket.watch_all(shared.dispatch)
+                except Exception as exc:  # never let this task die: retry
+                    # JetStream may take a moment to serve again after a
+                    # restart; meanwhile the periodic reads stand in.
+                    logger.debug("could not restart the watch of %r yet: %s", name, exc)
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, _REWATCH_MAX_DELAY)
+                    continue
+                if self._watches.get(name) is not shared:
+                    await stop()  # its last watcher left meanwhile
+                    break
+                old, shared.stop = shared.stop, stop
+                if old is not None:
+                    await old()
+                logger.debug("restarted the watch of %r after a reconnect", name)
+                break
 
     async def close(self) -> None:
         """Close the connection if this backend owns it; idempotent, never raises."""
+        if self._rewatch_task is not None:
+            self._rewatch_task.cancel()
+            self._rewatch_task = None
         if not self.owns_connection or self.nc.is_closed:
             return
         # close() flushes to the socket and can raise when the server is
@@ -459,7 +511,7 @@ class JetStreamBackend:
         """
         shared = self._watches.get(bucket.name)
         if shared is None:
-            new = _SharedWatch(lambda: self._stop_shared_watch(bucket.name, new))
+            new = _SharedWatch(bucket, lambda: self._stop_shared_watch(bucket.name, new))
             shared = self._watches[bucket.name] = new
             try:
                 shared.stop = await bucket.watch_all(shared.dispatch)

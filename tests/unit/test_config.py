@@ -56,6 +56,7 @@ def test_defaults_are_derived_from_ttl() -> None:
         ({"bucket_replicas": 7}, "bucket_replicas=7"),
         ({"instance_id": " "}, "instance_id must be a non-empty string"),
         ({"strategy": "raft"}, "strategy='raft' is unknown"),
+        ({"demote_timeout": 0}, "demote_timeout=0.0 must be positive"),
     ],
 )
 def test_bad_values_name_the_field(kwargs: dict[str, object], fragment: str) -> None:
@@ -101,6 +102,8 @@ def test_settings_per_role_options_and_errors() -> None:
     assert settings.election_config("reports").priority == 5
     assert settings.election_config("default").priority == 0
     assert settings.queue_for("reports") == "nats_leader.reports"
+    assert settings.election_config("default").demote_timeout == 5.0
+    assert LeaderSettings(demote_timeout=1.5).election_config("default").demote_timeout == 1.5
     with pytest.raises(ConfigError, match=r"for role 'default': heartbeat_interval=3\.0"):
         LeaderSettings(ttl=6, heartbeat_interval=3)
     with pytest.raises(ConfigError, match="unknown nats_leader setting 'TLL'"):

@@ -18,6 +18,7 @@ from celery_nats_leader.clock import ManualClock
 from celery_nats_leader.errors import BucketNotFoundError, ElectionStoppedError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.record import decode_record, encode_record
+from celery_nats_leader.token import FencingToken
 
 TTL = 0.6
 
@@ -282,6 +283,29 @@ async def test_lonely_resigner_takes_the_role_back_after_a_ttl(
     assert a.promotions[0] < a.promotions[1]
 
 
+async def test_start_returns_once_the_promote_callbacks_have_run(
+    make: Callable[..., Candidate],
+) -> None:
+    """As leader, ``await start()`` returns after ``on_promote`` ran, sync or async.
+
+    It used to depend on how many loop turns ``asyncio.wait_for`` took to
+    resume ``start()``: an async callback had run on Python 3.11 and had not
+    on 3.12+, a sync one (on its thread) had not on any version.
+    """
+    a = make("a")
+    ran: list[int] = []
+
+    @a.election.on_promote
+    def slow_sync_promoted(token: FencingToken) -> None:
+        time.sleep(0.05)
+        ran.append(token.epoch)
+
+    await a.election.start()
+    assert a.election.is_leader
+    assert a.promotions == [1]
+    assert ran == [1]
+
+
 async def test_failing_health_check_resigns(make: Callable[..., Candidate]) -> None:
     healthy = threading.Event()
     healthy.set()
@@ -293,6 +317,65 @@ async def test_failing_health_check_resigns(make: Callable[..., Candidate]) -> N
     await asyncio.wait_for(a.demoted.wait(), 2)
     assert a.demotions == [DemoteReason.HEALTH_CHECK_FAILED]
     await asyncio.wait_for(b.promoted.wait(), 1)
+
+
+async def test_stop_during_a_release_still_hands_over_in_milliseconds(
+    make: Callable[..., Candidate],
+) -> None:
+    """stop() while a failed health check's release runs: the key still goes at once."""
+    healthy = threading.Event()
+    healthy.set()
+    a = make("a", ttl=2.0, health_check=healthy.is_set, health_check_failures=1)
+    b = make("b", ttl=2.0)
+    leader_work_stopped = asyncio.Event()
+
+    @a.election.on_demote
+    async def stop_leader_work(reason: DemoteReason) -> None:
+        await leader_work_stopped.wait()
+
+    await a.election.start()
+    await b.election.start()
+    healthy.clear()
+    await wait_until(lambda: a.demotions == [DemoteReason.HEALTH_CHECK_FAILED])
+    stopping = asyncio.ensure_future(a.election.stop())
+    await wait_until(lambda: a.election._main_task is None)  # stop() cancelled the loop
+    released_at = time.monotonic()
+    leader_work_stopped.set()
+    await asyncio.wait_for(b.promoted.wait(), 3)
+    assert time.monotonic() - released_at < 0.2  # not the TTL (2 s)
+    await asyncio.wait_for(stopping, 1)
+    assert a.demotions == [DemoteReason.HEALTH_CHECK_FAILED]
+
+
+async def test_a_hanging_demote_callback_is_waited_for_demote_timeout_only(
+    make: Callable[..., Candidate], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sync ``on_demote`` that never returns: resign() and stop() still return.
+
+    The term is not released (leader work may still be stopping) but left to
+    expire, and the role's loop goes on: the lone candidate leads again.
+    """
+    a = make("a", demote_timeout=0.2)
+    hang = threading.Event()
+
+    @a.election.on_demote
+    def never_returns(reason: DemoteReason) -> None:
+        hang.wait()
+
+    try:
+        await a.election.start()
+        a.promoted.clear()
+        started = time.monotonic()
+        await asyncio.wait_for(a.election.resign(), 2)
+        assert 0.2 <= time.monotonic() - started < 0.5
+        assert "demote callbacks still running after 0.2s (demote_timeout)" in caplog.text
+        # Its record expires (nobody deleted it) and the loop campaigns again.
+        await wait_until(lambda: a.election.is_leader, timeout=TTL * 4)
+        started = time.monotonic()
+        await asyncio.wait_for(a.election.stop(), 2)
+        assert time.monotonic() - started < 0.2 * 2 + 0.3
+    finally:
+        hang.set()
 
 
 async def test_garbage_in_the_key_is_someone_elses_until_it_expires(
