@@ -21,22 +21,13 @@ from django.core.management.base import CommandError
 from celery_nats_leader.testing import NatsServer
 from celery_nats_leader.token import FencingToken
 from django_nats_leader.fencing import StaleLeaderError, current_epoch, fenced
-from tests.django.conftest import Candidates, require_postgres
+from tests.django.conftest import Candidates
 from tests.django.fenceapp.models import Write
 from tests.django.test_fencing import backends
 
 pytestmark = pytest.mark.integration
 
 ROLE = "default"
-
-
-@pytest.fixture
-def alias(request: pytest.FixtureRequest) -> str:
-    """The database alias of the test's parameter (PostgreSQL must be up for ``postgres``)."""
-    name: str = request.param
-    if name == "postgres":
-        require_postgres()
-    return name
 
 
 def run(*args: str) -> str:
