@@ -263,6 +263,29 @@ class Backend(Protocol):
         """
         ...
 
+    async def next_revision(self, name: str, *, timeout: float) -> int:
+        """The revision the bucket's next write gets (operator tools).
+
+        Raises:
+            BucketNotFoundError: The bucket does not exist.
+            JetStreamUnavailableError: The server has no JetStream.
+
+        """
+        ...
+
+    async def raise_next_revision(self, name: str, revision: int, *, timeout: float) -> int:
+        """Make the bucket's next write get at least ``revision``; return its next revision.
+
+        For a bucket that holds no entry (a new one, before any candidate
+        uses it): entries below ``revision`` are removed.
+
+        Raises:
+            BucketNotFoundError: The bucket does not exist.
+            JetStreamUnavailableError: The server has no JetStream.
+
+        """
+        ...
+
     async def subscribe(self, subject: str, handler: MessageHandler) -> Subscription:
         """Deliver messages on ``subject`` to ``handler``."""
         ...

@@ -49,8 +49,11 @@ from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.bucket import (
     BucketAction,
     BucketOutcome,
+    EpochFloor,
     apply_to_buckets,
     bucket_targets,
+    floor_lines,
+    migrate_bucket,
 )
 from celery_nats_leader.ops.bucket import outcome_lines as bucket_lines
 from celery_nats_leader.ops.events import (
@@ -313,6 +316,20 @@ def _beat_is_elected(conf: Any) -> bool:
     metavar="SECONDS",
     help="Keep the transition events in a stream for this long (created with --create).",
 )
+@click.option(
+    "--migrate-from",
+    default=None,
+    metavar="BUCKET",
+    help="Create the election bucket (a TTL change: a new bucket) so that its terms' "
+    "epochs continue above BUCKET's, which the replicas use now.",
+)
+@click.option(
+    "--epoch-floor",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="EPOCH",
+    help="Create the election bucket so that its first term's epoch is at least EPOCH.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for NATS.")
 @click.pass_context
@@ -327,6 +344,8 @@ def bucket(
     beat_state: bool,
     once: bool,
     events_max_age: float | None,
+    migrate_from: str | None,
+    epoch_floor: int | None,
     as_json: bool,
     timeout: float,
 ) -> None:
@@ -337,12 +356,21 @@ def bucket(
     buckets (--once: those instead) need max_age equal to once_lease and
     once_retention. --create makes the
     missing ones with exactly those settings (no `nats` CLI needed) and never
-    changes an existing one. Exits 1 when a bucket is missing or does not fit,
+    changes an existing one. To change the TTL, --migrate-from OLD creates the
+    new bucket (--bucket NEW --ttl SECONDS) with its epochs above OLD's.
+    Exits 1 when a bucket is missing or does not fit,
     2 when NATS cannot be used.
     """
     settings = _settings(ctx)
     app = ctx.find_root().obj.app
+    migrating = migrate_from is not None or epoch_floor is not None
     try:
+        if migrating and (once or action == "delete"):
+            raise ConfigError("--migrate-from and --epoch-floor create an election bucket")
+        if migrating:
+            action = "create"
+            if migrate_from is not None:
+                validate_bucket(migrate_from)
         wanted = bucket_targets(
             settings,
             bucket=only,
@@ -367,10 +395,20 @@ def bucket(
             abort=True,
         )
 
+    floor: EpochFloor | None = None
+
     async def run() -> tuple[list[BucketOutcome], StreamInfo | None]:
+        nonlocal floor
         name = operator_name("celery nats-leader bucket")
         async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
-            found = await apply_to_buckets(backend, wanted, action, timeout=timeout)
+            if migrating:
+                first, floor = await migrate_bucket(
+                    backend, wanted[0], source=migrate_from, floor=epoch_floor or 0, timeout=timeout
+                )
+                rest = await apply_to_buckets(backend, wanted[1:], action, timeout=timeout)
+                found = [first, *rest]
+            else:
+                found = await apply_to_buckets(backend, wanted, action, timeout=timeout)
             stream = None
             if events_max_age is not None and action != "delete":
                 stream = (
@@ -396,12 +434,17 @@ def bucket(
         body: dict[str, Any] = {"ok": not failing, "buckets": [o.to_dict() for o in outcomes]}
         if events_max_age is not None:
             body["events_stream"] = None if stream is None else dataclasses.asdict(stream)
+        if floor is not None:
+            body["epoch_floor"] = floor.to_dict()
         click.echo(json.dumps(body, sort_keys=True))
     else:
         create = f"celery -A {app.main or '<app>'} nats-leader bucket --create"
         for outcome in outcomes:
             for style, text in bucket_lines(outcome, create_command=create):
                 click.echo(click.style(text, **_STYLES[style]) if style else text)
+            if floor is not None and outcome.target.name == floor.bucket:
+                for style, text in floor_lines(floor):
+                    click.echo(click.style(text, **_STYLES[style]) if style else text)
         if events_max_age is not None:
             click.echo(
                 "events stream: none (create it with --create --events-max-age)"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -58,6 +59,7 @@ _NO_MESSAGE_FOUND = 10037
 _WRONG_LAST_SEQUENCE = 10071
 _WRONG_LAST_SEQUENCE_CONSTANT = 10164
 _KV_OPERATION = "KV-Operation"
+_JS_API = "$JS.API"
 # nats-server 2.11+ places its own markers (a key expired by max_age, a purge)
 # with this header instead of KV-Operation.
 _MARKER_REASON = "Nats-Marker-Reason"
@@ -762,6 +764,55 @@ class JetStreamBackend:
         except BucketNotFoundError:
             return False
         return True
+
+    async def next_revision(self, name: str, *, timeout: float) -> int:
+        """The revision the bucket's next write gets (its stream's last sequence + 1).
+
+        The stream keeps its last sequence after ``max_age`` removed every
+        message, and across server restarts.
+
+        Raises:
+            BucketNotFoundError: The bucket does not exist.
+            JetStreamUnavailableError: The server has no JetStream.
+
+        """
+        async with self._stream_api(name, timeout):
+            info = await asyncio.wait_for(self.js.stream_info(f"KV_{name}"), timeout)
+        state = info.state
+        return max(int(state.last_seq or 0) + 1, int(state.first_seq or 0), 1)
+
+    async def raise_next_revision(self, name: str, revision: int, *, timeout: float) -> int:
+        """Make the bucket's next write get at least ``revision``; return its next revision.
+
+        A stream purge up to sequence ``revision`` (``{"seq": revision}``):
+        when that is past the stream's last sequence, nats-server compacts
+        the stream so that its first sequence, and so the next write's
+        revision, is ``revision`` (checked on 2.9.10 and 2.15.1, and across a
+        restart). The purge removes every entry below ``revision``: callers
+        only do this on a bucket that holds no entry.
+
+        Raises:
+            BucketNotFoundError: The bucket does not exist.
+            JetStreamUnavailableError: The server has no JetStream.
+            BackendError: The server refused the purge.
+
+        """
+        if await self.next_revision(name, timeout=timeout) >= revision:
+            return await self.next_revision(name, timeout=timeout)
+        async with self._stream_api(name, timeout):
+            # nats-py's purge_stream takes no sequence: the API request directly.
+            reply = await self.nc.request(
+                f"{_JS_API}.STREAM.PURGE.KV_{name}",
+                json.dumps({"seq": revision}).encode(),
+                timeout=timeout,
+            )
+        body = json.loads(reply.data or b"{}")
+        error = body.get("error")
+        if error:
+            if error.get("err_code") == _STREAM_NOT_FOUND:
+                raise BucketNotFoundError(f"KV bucket {name!r} does not exist")
+            raise BackendError(f"JetStream refused the purge of {name!r}: {error}")
+        return await self.next_revision(name, timeout=timeout)
 
     @contextlib.asynccontextmanager
     async def _stream_api(self, name: str, timeout: float) -> AsyncIterator[None]:

@@ -265,6 +265,27 @@ class MemoryBackend:
         self.require_connected()
         return self.server.buckets.pop(name, None) is not None
 
+    async def next_revision(self, name: str, *, timeout: float) -> int:
+        """The next revision (one counter for every bucket of the server)."""
+        self.require_connected()
+        if name not in self.server.buckets:
+            raise BucketNotFoundError(f"KV bucket {name!r} does not exist")
+        return self.server.revision + 1
+
+    async def raise_next_revision(self, name: str, revision: int, *, timeout: float) -> int:
+        """Move the shared counter so the next write gets at least ``revision``."""
+        self.require_connected()
+        state = self.server.buckets.get(name)
+        if state is None:
+            raise BucketNotFoundError(f"KV bucket {name!r} does not exist")
+        if self.server.revision + 1 < revision:
+            # As the server's purge up to a sequence: entries below it go.
+            for key, stored in list(state.keys.items()):
+                if stored.entry.revision < revision:
+                    del state.keys[key]
+            self.server.revision = revision - 1
+        return self.server.revision + 1
+
     async def subscribe(self, subject: str, handler: MessageHandler) -> _MemorySubscription:
         """Deliver messages on ``subject`` (``*``/``>`` wildcards) to ``handler``."""
         item = (subject, handler, self)

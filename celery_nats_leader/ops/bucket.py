@@ -7,6 +7,7 @@ the beat schedule's state bucket needs ``history=1`` and no ``max_age``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from celery_nats_leader.errors import (
 from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.token import ALLCALL_EPOCH_FLOOR
 
 logger = logging.getLogger(__name__)
 
@@ -319,6 +321,119 @@ async def apply_to_buckets(
     return found
 
 
+#: Revisions a migrated bucket's epochs start above the old bucket's last one:
+#: terms the old bucket still starts while the replicas roll over (each
+#: renewal takes a revision: ~4 per role per TTL) stay below the new
+#: bucket's, so the database fence prefers the new bucket's leader. A
+#: million covers a roll of ~28 hours for 100 roles at TTL 10 s.
+MIGRATION_HEADROOM = 1_000_000
+
+
+@dataclass(frozen=True)
+class EpochFloor:
+    """The epoch floor a new election bucket was given (a TTL change).
+
+    Attributes:
+        bucket: The new bucket.
+        floor: The lowest revision, so epoch, its next term may get.
+        source: The bucket the floor was read from (``None``: given as a number).
+        next_revision: The revision its next write gets now (``>= floor``).
+
+    """
+
+    bucket: str
+    floor: int
+    source: str | None
+    next_revision: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The commands' ``--json`` ``epoch_floor`` entry."""
+        return dataclasses.asdict(self)
+
+
+async def migrate_bucket(
+    backend: Backend,
+    target: BucketTarget,
+    *,
+    source: str | None,
+    floor: int = 0,
+    headroom: int = MIGRATION_HEADROOM,
+    timeout: float = 5.0,
+) -> tuple[BucketOutcome, EpochFloor]:
+    """Create an election bucket whose terms' epochs continue those of ``source``.
+
+    A bucket's ``max_age`` is the election TTL and cannot change, so a new
+    TTL needs a new bucket; a new bucket's revisions, and with them the
+    epochs, would start again at 1, below every epoch a database fence has
+    accepted. This creates ``target`` (unless it exists) and moves its next
+    revision to at least ``source``'s next revision plus ``headroom``, and
+    to at least ``floor``.
+
+    Args:
+        backend: A connection.
+        target: The new election bucket, with its TTL.
+        source: The bucket the replicas use now (``None``: ``floor`` only).
+        floor: The lowest epoch the new bucket may give (for example the
+            database fence's highest epoch + 1).
+        headroom: Added to ``source``'s next revision: the revisions
+            ``source`` may still take while the replicas move over.
+        timeout: Seconds per call.
+
+    Returns:
+        The new bucket's outcome (as ``--create`` reports it) and its floor.
+
+    Raises:
+        BucketNotFoundError: ``source`` does not exist.
+        ConfigError: The new bucket holds entries already (a candidate uses
+            it: epochs below the floor were given out), it is ``source``, or
+            the floor reaches the ALLCALL strategy's epochs.
+
+    """
+    if source == target.name:
+        raise ConfigError(f"--migrate-from {source!r} names the bucket being created")
+    if source is not None:
+        try:
+            floor = max(floor, await backend.next_revision(source, timeout=timeout) + headroom)
+        except BucketNotFoundError as exc:
+            raise BucketNotFoundError(
+                f"KV bucket {source!r} does not exist: nothing to carry the epoch floor from "
+                "(name the bucket the replicas use now, or give --epoch-floor with the "
+                "database fence's highest epoch + 1)"
+            ) from exc
+    if floor >= ALLCALL_EPOCH_FLOOR:
+        # Such an epoch would read as an ALLCALL term's (a timestamp) at the fence.
+        raise ConfigError(
+            f"epoch floor {floor} reaches the ALLCALL strategy's epochs "
+            f"({ALLCALL_EPOCH_FLOOR}): use a lower --epoch-floor"
+        )
+    [outcome] = await apply_to_buckets(backend, [target], "create", timeout=timeout)
+    held = outcome.info.keys if outcome.info is not None else 0
+    if held:
+        raise ConfigError(
+            f"KV bucket {target.name!r} already holds {held} entries: candidates "
+            "use it, so its epochs cannot be moved up any more. Stop them, delete the bucket "
+            "and run this again before any replica uses the new bucket"
+        )
+    next_revision = await backend.raise_next_revision(target.name, floor, timeout=timeout)
+    logger.info(
+        "KV bucket %r: next epoch %d (floor %d%s)",
+        target.name,
+        next_revision,
+        floor,
+        f", carried from {source!r}" if source else "",
+    )
+    return outcome, EpochFloor(target.name, floor, source, next_revision)
+
+
+def floor_lines(floor: EpochFloor) -> list[tuple[str, str]]:
+    """What the operator commands print about a carried epoch floor."""
+    origin = f" (carried from {floor.source!r})" if floor.source else ""
+    return [
+        ("", f"  next epoch     {floor.next_revision}{origin}"),
+        ("success", "  its terms' epochs continue above every earlier one"),
+    ]
+
+
 def outcome_lines(outcome: BucketOutcome, *, create_command: str) -> list[tuple[str, str]]:
     """What the operator commands print about one bucket.
 
@@ -397,12 +512,14 @@ async def probe(settings: LeaderSettings, buckets: Iterable[str], *, timeout: fl
 __all__ = [
     "BEAT_STATE",
     "ELECTION",
+    "MIGRATION_HEADROOM",
     "ONCE_DONE",
     "ONCE_LEASES",
     "BucketAction",
     "BucketInfo",
     "BucketOutcome",
     "BucketTarget",
+    "EpochFloor",
     "ProbeResult",
     "apply_to_buckets",
     "bucket_info",
@@ -411,6 +528,8 @@ __all__ = [
     "delete_bucket",
     "ensure_bucket",
     "expected_ttl",
+    "floor_lines",
+    "migrate_bucket",
     "outcome_lines",
     "probe",
 ]

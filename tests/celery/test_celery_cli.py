@@ -168,6 +168,41 @@ def test_bucket_check_create_delete(app: Celery, bucket: str, nats_server: NatsS
     assert cli(app, "bucket").exit_code == 1
 
 
+def test_bucket_migrate_from_changes_the_ttl_keeping_epochs_up(
+    app: Celery, bucket: str, two: dict[str, Elector]
+) -> None:
+    term = two["cand-a"].role("default").token
+    assert term is not None
+    new = f"{bucket}_5s"
+    moved = cli(app, "bucket", "--bucket", new, "--ttl", "5", "--migrate-from", bucket)
+    assert moved.exit_code == 0, moved.output
+    lines = moved.stdout.splitlines()
+    assert lines[0] == f"election bucket {new!r} created"
+    assert "  max_age (TTL)  5s" in lines
+    [next_line] = [line for line in lines if line.startswith("  next epoch")]
+    assert next_line.endswith(f"(carried from {bucket!r})")
+    floor = int(next_line.split()[2])
+    assert floor > term.epoch
+    assert lines[-1] == "  its terms' epochs continue above every earlier one"
+
+    # The first term on the new bucket gets the floor as its epoch.
+    with Elector(app.conf.nats_leader_servers[0], name="test-new") as elector:
+        handle = elector.add_role(ElectionConfig(role="default", bucket=new, ttl=5.0))
+        assert handle.wait_for_leadership(5) and handle.token is not None
+        assert handle.token.epoch == floor
+
+    # Run again once a candidate used the new bucket: refused, nothing changed.
+    again = cli(app, "bucket", "--bucket", new, "--ttl", "5", "--migrate-from", bucket)
+    assert again.exit_code == 2
+    assert f"KV bucket {new!r} already holds 1 entries: candidates use it" in again.stderr
+    missing = cli(app, "bucket", "--bucket", f"{bucket}_x", "--migrate-from", "nosuch")
+    assert missing.exit_code == 2
+    assert "KV bucket 'nosuch' does not exist: nothing to carry the epoch floor from" in (
+        missing.stderr
+    )
+    assert cli(app, "bucket", "--migrate-from", bucket, "--once").exit_code == 2
+
+
 def test_bucket_with_the_leader_beat_scheduler(app: Celery, bucket: str) -> None:
     app.conf.beat_scheduler = "nats_leader"
     created = cli(app, "bucket", "--create", "--json")

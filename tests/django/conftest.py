@@ -137,3 +137,12 @@ def nats_leader(
 
     apply()
     return apply
+
+
+@pytest.fixture
+def alias(request: pytest.FixtureRequest) -> str:
+    """The database alias of the test's parameter (PostgreSQL must be up for ``postgres``)."""
+    name: str = request.param
+    if name == "postgres":
+        require_postgres()
+    return name

@@ -6,17 +6,31 @@ about what the operator tools see.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
 import pytest
 
 from celery_nats_leader.backend import Backend
-from celery_nats_leader.errors import BucketNotFoundError, JetStreamUnavailableError
+from celery_nats_leader.errors import (
+    BucketNotFoundError,
+    ConfigError,
+    JetStreamUnavailableError,
+)
 from celery_nats_leader.nats import ConnectOptions, open_backend
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
-from celery_nats_leader.ops.bucket import bucket_info, delete_bucket, ensure_bucket
+from celery_nats_leader.ops.bucket import (
+    ELECTION,
+    MIGRATION_HEADROOM,
+    BucketTarget,
+    bucket_info,
+    delete_bucket,
+    ensure_bucket,
+    migrate_bucket,
+)
 from celery_nats_leader.testing import NatsServer
+from tests.integration.helpers import poll
 
 
 @pytest.fixture(params=["jetstream", "memory"])
@@ -61,6 +75,59 @@ async def test_persistent_bucket_has_no_max_age(backend: Backend) -> None:
     info = await ensure_bucket(backend, name, ttl=None, replicas=1, persistent=True)
     assert (info.ttl, info.history) == (0.0, 1)
     assert info.problems(ttl=None, persistent=True) == []
+
+
+async def test_migrated_bucket_continues_the_old_buckets_revisions(backend: Backend) -> None:
+    old, new = f"ops_{uuid.uuid4().hex[:8]}", f"ops_{uuid.uuid4().hex[:8]}"
+    kv = await backend.open_bucket(old, ttl=3.0, create=True, replicas=1, timeout=5)
+    revisions = [await kv.put(role, b"x", timeout=5) for role in ("a", "b", "a", "c", "a")]
+    target = BucketTarget(new, ELECTION, 7.0, 1)
+
+    outcome, floor = await migrate_bucket(backend, target, source=old, timeout=5)
+    assert outcome.info is not None and outcome.info.created and outcome.info.ttl == 7.0
+    assert floor.next_revision == floor.floor == revisions[-1] + 1 + MIGRATION_HEADROOM
+    moved = await backend.open_bucket(new, ttl=7.0, create=False, replicas=1, timeout=5)
+    assert await moved.create("default", b"term", timeout=5) == floor.floor
+
+    # Once a candidate wrote there, the floor cannot be moved any more.
+    with pytest.raises(ConfigError, match=f"KV bucket {new!r} already holds 1 entries"):
+        await migrate_bucket(backend, target, source=old, floor=10_000, timeout=5)
+    with pytest.raises(BucketNotFoundError, match="nothing to carry the epoch floor from"):
+        await migrate_bucket(backend, target, source="ops_missing", timeout=5)
+    with pytest.raises(ConfigError, match="names the bucket being created"):
+        await migrate_bucket(backend, target, source=new, timeout=5)
+    with pytest.raises(ConfigError, match="reaches the ALLCALL strategy's epochs"):
+        await migrate_bucket(backend, target, source=None, floor=10**12, timeout=5)
+
+
+@pytest.mark.parametrize("graceful", [True, False], ids=["restart", "kill"])
+async def test_epoch_floor_survives_expiry_and_server_restarts(graceful: bool) -> None:
+    # The old bucket's records have all expired (max_age) when the operator
+    # migrates, and the server restarts before and after the migration.
+    old, new = "ttl_old", "ttl_new"
+    with NatsServer() as server:
+        async with await open_backend(ConnectOptions(servers=(server.url,))) as be:
+            kv = await be.open_bucket(old, ttl=1.0, create=True, replicas=1, timeout=5)
+            last = [await kv.put(f"role{n}", b"x", timeout=5) for n in range(40)][-1]
+
+            async def expired() -> bool:
+                return (await bucket_info(be, old)).keys == 0
+
+            await poll(expired, timeout=10, what=f"{old} expired")
+        await asyncio.to_thread(server.restart, graceful=graceful)
+        async with await open_backend(ConnectOptions(servers=(server.url,))) as be:
+            # 2.11+ writes a marker per expired key (one more revision each).
+            after_old = await be.next_revision(old, timeout=5)
+            assert after_old == (last + 1 if be.server_version() < (2, 11) else 2 * last + 1)
+            _, floor = await migrate_bucket(
+                be, BucketTarget(new, ELECTION, 5.0, 1), source=old, headroom=0, timeout=5
+            )
+            assert floor.next_revision == floor.floor == after_old
+        await asyncio.to_thread(server.restart, graceful=graceful)
+        async with await open_backend(ConnectOptions(servers=(server.url,))) as be:
+            assert await be.next_revision(new, timeout=5) == after_old
+            moved = await be.open_bucket(new, ttl=5.0, create=False, replicas=1, timeout=5)
+            assert await moved.create("default", b"term", timeout=5) == after_old
 
 
 async def test_server_without_jetstream_is_reported_with_advice() -> None:

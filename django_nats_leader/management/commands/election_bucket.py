@@ -5,7 +5,8 @@ configured elections: the election bucket needs ``max_age`` equal to the TTL
 and ``history=1``; the beat schedule's state bucket (when the leader
 scheduler is used) needs ``history=1`` and no ``max_age``. With ``--create``
 it creates the missing ones with exactly those settings, so no other tool
-(``nats kv add``) is needed.
+(``nats kv add``) is needed. ``--migrate-from OLD`` (a TTL change) creates
+the election bucket so that its terms' epochs continue above ``OLD``'s.
 
 Exit status: 0 when every bucket exists and fits, 1 when one is missing or
 misconfigured, 2 when NATS cannot be used.
@@ -27,8 +28,11 @@ from celery_nats_leader.ops.bucket import (
     BucketAction,
     BucketOutcome,
     BucketTarget,
+    EpochFloor,
     apply_to_buckets,
     bucket_targets,
+    floor_lines,
+    migrate_bucket,
     outcome_lines,
 )
 from celery_nats_leader.ops.events import StreamInfo, ensure_events_stream, stream_info
@@ -48,6 +52,28 @@ def inspect_or_create(
         async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
             action: BucketAction = "create" if create else "check"
             return await apply_to_buckets(backend, wanted, action, timeout=timeout)
+
+    return run_once(run)
+
+
+def migrate(
+    settings: LeaderSettings,
+    wanted: list[BucketTarget],
+    *,
+    source: str | None,
+    floor: int,
+    timeout: float,
+) -> tuple[list[BucketOutcome], EpochFloor]:
+    """Create the election bucket with its epochs above ``source``'s (and ``floor``)."""
+
+    async def run() -> tuple[list[BucketOutcome], EpochFloor]:
+        name = operator_name("manage.py election_bucket")
+        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
+            first, carried = await migrate_bucket(
+                backend, wanted[0], source=source, floor=floor, timeout=timeout
+            )
+            rest = await apply_to_buckets(backend, wanted[1:], "create", timeout=timeout)
+            return [first, *rest], carried
 
     return run_once(run)
 
@@ -121,13 +147,35 @@ class Command(BaseCommand):
                 "it is created; never required by the elections)."
             ),
         )
+        parser.add_argument(
+            "--migrate-from",
+            metavar="BUCKET",
+            help=(
+                "Create the election bucket (a TTL change: a new bucket) so that its terms' "
+                "epochs continue above BUCKET's, which the replicas use now."
+            ),
+        )
+        parser.add_argument(
+            "--epoch-floor",
+            type=int,
+            metavar="EPOCH",
+            help="Create the election bucket so that its first term's epoch is at least EPOCH.",
+        )
         parser.add_argument("--json", action="store_true", help="Print the settings as JSON.")
         parser.add_argument("--timeout", type=float, default=5.0, help="Seconds to wait for NATS.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         """Inspect (or create) the buckets and say whether they fit the settings."""
         settings = load_settings()
+        source, floor_at = options.get("migrate_from"), options.get("epoch_floor")
+        migrating = source is not None or floor_at is not None
         try:
+            if migrating and options["once"]:
+                raise ConfigError("--migrate-from and --epoch-floor create an election bucket")
+            if floor_at is not None and floor_at < 1:
+                raise ConfigError("--epoch-floor must be at least 1")
+            if source is not None:
+                validate_bucket(source)
             wanted = bucket_targets(
                 settings,
                 bucket=options["bucket"],
@@ -140,10 +188,20 @@ class Command(BaseCommand):
                 validate_bucket(target.name)
         except ConfigError as exc:
             raise CommandError(str(exc), returncode=EXIT_ERROR) from exc
+        carried: EpochFloor | None = None
         try:
-            outcomes = inspect_or_create(
-                settings, wanted, create=options["create"], timeout=options["timeout"]
-            )
+            if migrating:
+                outcomes, carried = migrate(
+                    settings,
+                    wanted,
+                    source=source,
+                    floor=floor_at or 0,
+                    timeout=options["timeout"],
+                )
+            else:
+                outcomes = inspect_or_create(
+                    settings, wanted, create=options["create"], timeout=options["timeout"]
+                )
         except ElectionError as exc:
             raise CommandError(f"cannot inspect the buckets: {exc}", returncode=EXIT_ERROR) from exc
         failing = [o for o in outcomes if o.problems]
@@ -165,10 +223,14 @@ class Command(BaseCommand):
             body: dict[str, Any] = {"ok": not failing, "buckets": [o.to_dict() for o in outcomes]}
             if options["events_max_age"] is not None:
                 body["events_stream"] = None if stream is None else asdict(stream)
+            if carried is not None:
+                body["epoch_floor"] = carried.to_dict()
             self.stdout.write(json.dumps(body, sort_keys=True))
         else:
             for outcome in outcomes:
                 self._show(outcome)
+                if carried is not None and outcome.target.name == carried.bucket:
+                    self._show_floor(carried)
             if options["events_max_age"] is not None:
                 self._show_stream(stream)
         if failing:
@@ -176,6 +238,10 @@ class Command(BaseCommand):
                 "; ".join(f"KV bucket {o.target.name!r}: {', '.join(o.problems)}" for o in failing),
                 returncode=EXIT_NO_LEADER,
             )
+
+    def _show_floor(self, carried: EpochFloor) -> None:
+        for style, text in floor_lines(carried):
+            self.stdout.write(self.style.SUCCESS(text) if style else text)
 
     def _show_stream(self, stream: StreamInfo | None) -> None:
         if stream is None:
