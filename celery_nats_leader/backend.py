@@ -2,7 +2,8 @@
 
 A KV bucket with conditional writes and a key watch, and plain request/reply
 messaging for the side channel (roster and resign requests); plus what the
-operator tools need to inspect and remove a bucket.
+operator tools need to inspect and remove a bucket, and to keep and read a
+message stream (the optional events stream).
 """
 
 from __future__ import annotations
@@ -196,6 +197,38 @@ class BucketInfo:
         }
 
 
+@dataclass(frozen=True)
+class StreamState:
+    """A message stream's settings and size.
+
+    Attributes:
+        subjects: The subjects it keeps.
+        max_age: Seconds a message is kept.
+        messages: Messages kept now.
+
+    """
+
+    subjects: tuple[str, ...]
+    max_age: float
+    messages: int
+
+
+@dataclass(frozen=True)
+class StreamMessage:
+    """One message a stream kept.
+
+    Attributes:
+        seq: Its sequence in the stream.
+        data: Its payload.
+        time: When the server stored it (RFC 3339, the server's clock), if known.
+
+    """
+
+    seq: int
+    data: bytes
+    time: str | None = None
+
+
 class ConnectionListener:
     """Receives connection state changes; override what you need."""
 
@@ -309,6 +342,52 @@ class Backend(Protocol):
         """Send a request and collect every reply that arrives within ``window`` seconds."""
         ...
 
+    async def stream_state(self, name: str, *, timeout: float) -> StreamState | None:
+        """The stream ``name``, or ``None`` when it does not exist.
+
+        Raises:
+            JetStreamUnavailableError: The server has no JetStream (or did not answer).
+            BackendError: The server refused.
+
+        """
+        ...
+
+    async def create_stream(
+        self,
+        name: str,
+        *,
+        subjects: tuple[str, ...],
+        max_age: float,
+        replicas: int,
+        timeout: float,
+    ) -> None:
+        """Create a file stream keeping messages on ``subjects`` for ``max_age`` seconds.
+
+        The oldest messages are discarded first; an existing stream with
+        another configuration is an error.
+
+        Raises:
+            JetStreamUnavailableError: The server has no JetStream (or did not answer).
+            BackendError: The server refused.
+
+        """
+        ...
+
+    async def stream_messages(
+        self, name: str, subject: str, *, timeout: float
+    ) -> list[StreamMessage] | None:
+        """Every message the stream ``name`` keeps on ``subject`` (wildcards allowed), oldest first.
+
+        Returns:
+            The messages, or ``None`` when the stream does not exist.
+
+        Raises:
+            JetStreamUnavailableError: The server has no JetStream (or did not answer).
+            BackendError: The server refused.
+
+        """
+        ...
+
 
 __all__ = [
     "Backend",
@@ -318,6 +397,8 @@ __all__ = [
     "KVEntry",
     "MessageHandler",
     "Operation",
+    "StreamMessage",
+    "StreamState",
     "Subscription",
     "WatchCallback",
 ]

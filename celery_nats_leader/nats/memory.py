@@ -16,7 +16,15 @@ import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from celery_nats_leader.backend import BucketInfo, KVEntry, MessageHandler, Operation, WatchCallback
+from celery_nats_leader.backend import (
+    BucketInfo,
+    KVEntry,
+    MessageHandler,
+    Operation,
+    StreamMessage,
+    StreamState,
+    WatchCallback,
+)
 from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
 from celery_nats_leader.errors import (
     BackendError,
@@ -42,6 +50,15 @@ class _MemoryBucketState:
     watchers: list[tuple[str, WatchCallback]] = field(default_factory=list)
 
 
+@dataclass
+class _MemoryStream:
+    subjects: tuple[str, ...]
+    max_age: float
+    # (stored at on the server's clock, subject, message), oldest first.
+    messages: list[tuple[float, str, StreamMessage]] = field(default_factory=list)
+    last_seq: int = 0
+
+
 class MemoryServer:
     """Shared state: buckets, a revision counter and a subject bus.
 
@@ -58,6 +75,7 @@ class MemoryServer:
         self.buckets: dict[str, _MemoryBucketState] = {}
         self.revision = 0
         self.subscribers: list[tuple[str, MessageHandler, MemoryBackend]] = []
+        self.streams: dict[str, _MemoryStream] = {}
         # Deliveries in flight: the loop only keeps weak references to tasks.
         self.deliveries: set[asyncio.Future[None]] = set()
 
@@ -69,6 +87,21 @@ class MemoryServer:
         for key, stored in list(bucket.keys.items()):
             if now - stored.stored_at >= bucket.ttl:
                 del bucket.keys[key]
+
+    def keep(self, subject: str, data: bytes) -> None:
+        """Store a published message in every stream that keeps its subject."""
+        now = self.clock.monotonic()
+        for stream in self.streams.values():
+            if any(_subject_matches(pattern, subject) for pattern in stream.subjects):
+                stream.last_seq += 1
+                stream.messages.append(
+                    (now, subject, StreamMessage(seq=stream.last_seq, data=data))
+                )
+
+    def expire_stream(self, stream: _MemoryStream) -> None:
+        """Drop messages older than the stream's ``max_age``."""
+        now = self.clock.monotonic()
+        stream.messages = [kept for kept in stream.messages if now - kept[0] < stream.max_age]
 
 
 class MemoryBucket:
@@ -312,8 +345,10 @@ class MemoryBackend:
                 delivery.add_done_callback(self.server.deliveries.discard)
 
     async def publish(self, subject: str, data: bytes, reply: str | None = None) -> None:
-        """Publish (dropped while disconnected)."""
+        """Publish (dropped while disconnected); streams keeping ``subject`` store it."""
         if self.connected:
+            if not self.blackholed:
+                self.server.keep(subject, data)
             self._deliver(subject, data, reply)
 
     async def request(self, subject: str, data: bytes, *, timeout: float) -> bytes:
@@ -345,6 +380,46 @@ class MemoryBackend:
         finally:
             await sub.unsubscribe()
         return replies
+
+    async def stream_state(self, name: str, *, timeout: float) -> StreamState | None:
+        """The stream ``name``, or ``None`` when it does not exist."""
+        self.require_connected()
+        stream = self.server.streams.get(name)
+        if stream is None:
+            return None
+        self.server.expire_stream(stream)
+        return StreamState(
+            subjects=stream.subjects, max_age=stream.max_age, messages=len(stream.messages)
+        )
+
+    async def create_stream(
+        self,
+        name: str,
+        *,
+        subjects: tuple[str, ...],
+        max_age: float,
+        replicas: int,
+        timeout: float,
+    ) -> None:
+        """Create a stream keeping what is published on ``subjects`` for ``max_age`` seconds."""
+        self.require_connected()
+        existing = self.server.streams.get(name)
+        if existing is not None:
+            if existing.subjects != subjects or existing.max_age != max_age:
+                raise BackendError(f"stream {name!r} exists with another configuration")
+            return
+        self.server.streams[name] = _MemoryStream(subjects=subjects, max_age=max_age)
+
+    async def stream_messages(
+        self, name: str, subject: str, *, timeout: float
+    ) -> list[StreamMessage] | None:
+        """The messages ``name`` keeps on ``subject``, oldest first (``None``: no stream)."""
+        self.require_connected()
+        stream = self.server.streams.get(name)
+        if stream is None:
+            return None
+        self.server.expire_stream(stream)
+        return [message for _, kept, message in stream.messages if _subject_matches(subject, kept)]
 
 
 def _subject_matches(pattern: str, subject: str) -> bool:

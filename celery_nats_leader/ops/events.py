@@ -2,33 +2,22 @@
 
 The operator commands (``celery -A proj nats-leader events``, ``manage.py
 election_events``) and the Django admin use these. The stream is reached
-through the JetStream API's request/reply subjects with the backend's generic
-``request``, so the NATS door stays the only module importing nats-py.
+through the backend's stream methods, so the JetStream API and its error codes
+stay inside the NATS door (``celery_nats_leader.nats``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from celery_nats_leader.backend import Backend, Subscription
-from celery_nats_leader.errors import (
-    BackendError,
-    BackendTimeoutError,
-    JetStreamUnavailableError,
-)
+from celery_nats_leader.errors import JetStreamUnavailableError
 from celery_nats_leader.events import TransitionEvent, event_subject, events_stream
 
 logger = logging.getLogger(__name__)
-
-#: JetStream API error codes.
-_STREAM_NOT_FOUND = 10059
-_NO_MESSAGE = 10037
 
 #: Default age of the events kept by the stream: a week.
 DEFAULT_EVENTS_MAX_AGE_SECONDS = 7 * 24 * 3600.0
@@ -54,45 +43,17 @@ class StreamInfo:
     created: bool = False
 
 
-async def _api(
-    backend: Backend, subject: str, body: dict[str, Any], timeout: float
-) -> dict[str, Any]:
-    try:
-        reply = await backend.request(subject, json.dumps(body).encode(), timeout=timeout)
-    except BackendTimeoutError as exc:
-        raise JetStreamUnavailableError(f"JetStream did not answer ({exc})") from exc
-    try:
-        answer = json.loads(reply)
-    except ValueError as exc:
-        raise BackendError(f"unreadable JetStream answer: {reply[:100]!r}") from exc
-    if not isinstance(answer, dict):
-        raise BackendError(f"unreadable JetStream answer: {reply[:100]!r}")
-    return answer
-
-
-def _error_code(answer: dict[str, Any]) -> int | None:
-    error = answer.get("error")
-    if isinstance(error, dict):
-        return int(error.get("err_code") or error.get("code") or 0)
-    return None
-
-
 async def stream_info(backend: Backend, bucket: str, *, timeout: float = 5.0) -> StreamInfo | None:
     """The events stream of ``bucket``, or ``None`` when nobody created one."""
     name = events_stream(bucket)
-    answer = await _api(backend, f"$JS.API.STREAM.INFO.{name}", {}, timeout)
-    code = _error_code(answer)
-    if code == _STREAM_NOT_FOUND:
+    state = await backend.stream_state(name, timeout=timeout)
+    if state is None:
         return None
-    if code is not None:
-        raise BackendError(f"JetStream: {answer['error']}")
-    config = answer.get("config") or {}
-    state = answer.get("state") or {}
     return StreamInfo(
         name=name,
-        subjects=tuple(config.get("subjects") or ()),
-        max_age=int(config.get("max_age") or 0) / 1e9,
-        messages=int(state.get("messages") or 0),
+        subjects=state.subjects,
+        max_age=state.max_age,
+        messages=state.messages,
     )
 
 
@@ -126,18 +87,13 @@ async def ensure_events_stream(
     if existing is not None:
         return existing
     name = events_stream(bucket)
-    config = {
-        "name": name,
-        "subjects": [event_subject(bucket)],
-        "retention": "limits",
-        "max_age": int(max_age * 1e9),
-        "storage": "file",
-        "num_replicas": replicas,
-        "discard": "old",
-    }
-    answer = await _api(backend, f"$JS.API.STREAM.CREATE.{name}", config, timeout)
-    if _error_code(answer) is not None:
-        raise BackendError(f"JetStream: {answer['error']}")
+    await backend.create_stream(
+        name,
+        subjects=(event_subject(bucket),),
+        max_age=max_age,
+        replicas=replicas,
+        timeout=timeout,
+    )
     logger.info("created events stream %r (max_age=%gs)", name, max_age)
     info = await stream_info(backend, bucket, timeout=timeout)
     assert info is not None
@@ -168,33 +124,16 @@ async def read_events(
         timeout: Seconds per JetStream API call.
 
     """
-    name = events_stream(bucket)
-    subject = event_subject(bucket, role or ">")
+    messages = await backend.stream_messages(
+        events_stream(bucket), event_subject(bucket, role or ">"), timeout=timeout
+    )
+    if messages is None:
+        return None
     found: list[TransitionEvent] = []
-    seq = 1
-    while True:
-        answer = await _api(
-            backend,
-            f"$JS.API.STREAM.MSG.GET.{name}",
-            {"seq": seq, "next_by_subj": subject},
-            timeout,
-        )
-        code = _error_code(answer)
-        if code == _STREAM_NOT_FOUND:
-            return None
-        if code == _NO_MESSAGE:
-            break
-        if code is not None:
-            raise BackendError(f"JetStream: {answer['error']}")
-        message = answer.get("message") or {}
-        stream_seq = int(message.get("seq") or 0)
-        data = base64.b64decode(message.get("data") or "")
-        event = TransitionEvent.decode(data, stored_at=message.get("time"), stream_seq=stream_seq)
+    for message in messages:
+        event = TransitionEvent.decode(message.data, stored_at=message.time, stream_seq=message.seq)
         if event is not None:
             found.append(event)
-        if stream_seq < seq:  # pragma: no cover - a server that ignores next_by_subj
-            break
-        seq = stream_seq + 1
     return found[-limit:] if limit else found
 
 

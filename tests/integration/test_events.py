@@ -10,17 +10,27 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import nats
 import pytest
 from nats.aio.client import Client
 
-from celery_nats_leader.events import TransitionEvent
+from celery_nats_leader.errors import JetStreamUnavailableError
+from celery_nats_leader.events import TransitionEvent, events_stream
 from celery_nats_leader.nats.jetstream import JetStreamBackend
-from celery_nats_leader.ops.events import ensure_events_stream, read_events, show_events
+from celery_nats_leader.ops.events import (
+    ensure_events_stream,
+    read_events,
+    show_events,
+    stream_info,
+)
 from celery_nats_leader.ops.fence import fence_leader
-from celery_nats_leader.testing import CandidateGroup
+from celery_nats_leader.testing import CandidateGroup, NatsServer
 from tests.integration.helpers import BUCKET, ROLE, SLACK, TTL, in_thread
 
 pytestmark = pytest.mark.integration
+
+
+STREAM = events_stream(BUCKET)
 
 
 def summary(events: list[TransitionEvent]) -> list[tuple[str, str, str | None]]:
@@ -109,3 +119,29 @@ async def test_without_a_stream_nothing_is_kept_and_elections_do_not_care(
     await asyncio.wait_for(follower, 10)
     assert summary(live) == [("a", "promoted", None), ("a", "released", "stopped")]
     assert await read_events(backend, BUCKET) is None
+
+
+async def test_on_a_server_without_jetstream_no_history_is_kept() -> None:
+    with NatsServer(jetstream=False) as server:
+        client = await nats.connect(server.url)
+        try:
+            backend = JetStreamBackend(client)
+            with pytest.raises(JetStreamUnavailableError) as info:
+                await stream_info(backend, BUCKET, timeout=2)
+            assert str(info.value) == (
+                f"JetStream did not answer (nobody answers on $JS.API.STREAM.INFO.{STREAM})"
+            )
+            with pytest.raises(JetStreamUnavailableError) as made:
+                await ensure_events_stream(backend, BUCKET, max_age=60, timeout=2)
+            assert str(made.value) == str(info.value)
+            with pytest.raises(JetStreamUnavailableError) as read:
+                await read_events(backend, BUCKET, timeout=2)
+            assert str(read.value) == (
+                f"JetStream did not answer (nobody answers on $JS.API.STREAM.MSG.GET.{STREAM})"
+            )
+            # The events command: no history to show (it says so), no error.
+            shown: list[TransitionEvent] = []
+            assert await show_events(backend, BUCKET, shown.append, timeout=2) is False
+            assert shown == []
+        finally:
+            await client.close()

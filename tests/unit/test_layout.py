@@ -6,6 +6,10 @@
   ``cli.py`` and the test helpers ``testing/``) imports neither Celery,
   kombu nor Django, and imports in a fresh interpreter where those cannot
   be imported at all;
+* only ``celery_nats_leader.nats`` speaks the JetStream API (``$JS.API``
+  subjects, its numeric error codes);
+* the package has no import circle at import time (one known circle
+  through deferred imports is listed);
 * the installed package ships test helpers for users, not this project's
   chaos harness: nothing in it imports the Django app, the test suite or a
   database or Redis client, and the pytest plugin loads without Celery and
@@ -175,3 +179,165 @@ def test_the_pytest_plugin_loads_without_celery_and_django() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+#: JetStream API error codes (``err_code`` in nats-server's errors.json) lie
+#: in this range; only the NATS door translates them.
+JETSTREAM_ERROR_CODES = range(10001, 10400)
+
+
+def outside_the_nats_door() -> list[Path]:
+    return [
+        *(p for p in package_files() if p.relative_to(PACKAGE).parts[0] not in NATS_ALLOWED),
+        *sorted(DJANGO_APP.rglob("*.py")),
+    ]
+
+
+def jetstream_error_codes(path: Path) -> Iterator[tuple[int, int]]:
+    """``(line, code)`` of every integer literal that is a JetStream API error code."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (
+            isinstance(node, ast.Constant)
+            and type(node.value) is int
+            and node.value in JETSTREAM_ERROR_CODES
+        ):
+            yield node.lineno, node.value
+
+
+def test_the_scans_for_the_jetstream_api_see_it_in_the_nats_door() -> None:
+    # The check below would pass vacuously if the scans missed what they look for.
+    jetstream = PACKAGE / "nats" / "jetstream.py"
+    assert "$JS.API" in jetstream.read_text()
+    assert {10059, 10037} <= {code for _, code in jetstream_error_codes(jetstream)}
+
+
+def test_only_the_nats_package_speaks_the_jetstream_api() -> None:
+    # Raw $JS.API requests and JetStream error codes outside nats/ would be a
+    # second place translating JetStream's errors: the events stream, like
+    # the buckets, goes through the backend's methods.
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {what}"
+        for path in outside_the_nats_door()
+        for line, what in [
+            *(
+                (number, "$JS.API")
+                for number, text in enumerate(path.read_text().splitlines(), 1)
+                if "$JS.API" in text
+            ),
+            *((number, f"error code {code}") for number, code in jetstream_error_codes(path)),
+        ]
+    ]
+    assert offenders == []
+
+
+def imports_of(path: Path, *, deferred: bool) -> Iterator[str]:
+    """The package's modules ``path`` imports: at import time, or (``deferred``) anywhere.
+
+    Anywhere includes imports under ``if TYPE_CHECKING:`` and inside
+    functions, which do not run when the module is imported.
+    """
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    modules = {module_name(p) for p in package_files()}
+
+    def statements(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                yield node
+            elif deferred and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield from (
+                    n for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))
+                )
+            elif isinstance(node, ast.If):
+                test = ast.unparse(node.test)
+                if deferred or test not in {"TYPE_CHECKING", "typing.TYPE_CHECKING"}:
+                    yield from statements(node.body)
+                yield from statements(node.orelse)
+            elif isinstance(node, ast.Try):
+                for block in (node.body, node.orelse, node.finalbody):
+                    yield from statements(block)
+                for handler in node.handlers:
+                    yield from statements(handler.body)
+            elif isinstance(node, (ast.With, ast.ClassDef)):
+                yield from statements(node.body)
+
+    for node in statements(ast.parse(path.read_text(), str(path)).body):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            # ``from pkg import sub`` imports the module pkg.sub when there is one.
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                for alias in node.names
+            ]
+        for target in targets:
+            known = target
+            while known and known not in modules:
+                known = known.rpartition(".")[0]
+            if known and known != name:
+                yield known
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` that hold more than one node."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's algorithm
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            component = [stack.pop()]
+            while component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return sorted(found)
+
+
+def import_circles(*, deferred: bool) -> list[list[str]]:
+    """The import circles of the package (see :func:`imports_of` for ``deferred``)."""
+    return circles({module_name(p): set(imports_of(p, deferred=deferred)) for p in package_files()})
+
+
+def test_the_circle_finder_sees_imports_and_circles() -> None:
+    # Zero circles would prove nothing if the finder could miss one.
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
+    assert circles(graph) == [["a", "b", "c"], ["d", "e"]]
+    events = PACKAGE / "ops" / "events.py"
+    assert {"celery_nats_leader.backend", "celery_nats_leader.events"} <= set(
+        imports_of(events, deferred=False)
+    )
+    services = PACKAGE / "election" / "services.py"
+    assert "celery_nats_leader.election.base" not in set(imports_of(services, deferred=False))
+    assert "celery_nats_leader.election.base" in set(imports_of(services, deferred=True))
+
+
+#: Import circles that exist only through deferred imports. The election
+#: runs its leader services (services.py) and the services read the
+#: election's state and demote reasons (base.py): a vocabulary module for the
+#: election would remove it.
+KNOWN_DEFERRED_CIRCLES = [
+    ["celery_nats_leader.election.base", "celery_nats_leader.election.services"],
+]
+
+
+def test_the_package_has_no_import_circle() -> None:
+    assert import_circles(deferred=False) == []
+    assert import_circles(deferred=True) == KNOWN_DEFERRED_CIRCLES
