@@ -5,6 +5,9 @@ nats-py resubscribes their inboxes but nothing feeds them. Followers then
 learned of a release only from their periodic read, up to a
 ``resync_interval`` late (139-142 ms in a seeded fault run with TTL 1 s,
 against 2-9 ms for a hand-over before any restart).
+
+A candidate that leaves while the server is down says goodbye to no one: its
+place in line must go with the reconnect, not three heartbeats later.
 """
 
 from __future__ import annotations
