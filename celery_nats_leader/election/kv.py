@@ -109,6 +109,9 @@ class Election(BaseElection):
             expiry=c.ROSTER_EXPIRY_HEARTBEATS * self.config.heartbeat_interval,
         )
         self._next_announce_at = 0.0
+        # Set while the connection is down; the roster starts afresh once it is back.
+        self._connection_lost = False
+        self._hello_due = False
 
         self._backoff = Backoff(
             breaker_cooldown=min(
@@ -370,10 +373,45 @@ class Election(BaseElection):
         jitter = min(self.config.campaign_jitter, c.SUCCESSOR_STEP_SECONDS)
         return lag + rank * c.SUCCESSOR_STEP_SECONDS + self._rng.uniform(0.0, jitter)
 
+    def wake(self) -> None:
+        """Re-evaluate now; called when the connection goes down or comes back."""
+        # Noted here, not only in the loop: the loop may sit in a request for
+        # the whole outage and see the connection up again afterwards.
+        self._note_connection()
+        super().wake()
+
+    def _note_connection(self) -> None:
+        """After a reconnect: start the roster afresh, and announce ourselves again.
+
+        A ``bye`` sent while the connection or the server was down is lost: a
+        candidate that left then would keep its place in line for
+        ``ROSTER_EXPIRY_HEARTBEATS`` heartbeats, and the next hand-over would
+        wait a successor step for it, or up to ``MAX_PRIORITY_LAG_SECONDS`` if
+        it was preferred. Live candidates announce themselves again after
+        their own reconnect (and preferred ones answer that ``hello`` with
+        ``known``), so only the gone stay out. Called before every use of the
+        roster after an event (wake-up, key change, follower step), so a
+        release seen right after the reconnect is already ordered without
+        them. The roster only orders campaigns after a release and never
+        affects safety: taking the key is still one atomic create, whoever
+        campaigns first.
+        """
+        if self._backend is None:
+            return
+        if not self._backend.is_connected:
+            self._connection_lost = True
+        elif self._connection_lost:
+            self._connection_lost = False
+            self._roster.reset()
+            if self._leader is not None:
+                self._roster.heard(self._leader.id, self._leader.priority, self._clock.monotonic())
+            self._hello_due = True
+
     # --------------------------------------------------------- observation
 
     def _observe(self, entry: KVEntry | None, *, authoritative: bool = False) -> None:
         """Take note of what the key holds (from the watch, a read or a write)."""
+        self._note_connection()
         now = self._clock.monotonic()
         present = entry is not None and entry.operation is Operation.PUT
         previous_leader = self._leader
@@ -459,6 +497,12 @@ class Election(BaseElection):
     async def _follow(self) -> None:
         assert self._bucket is not None
         cfg = self.config
+        self._note_connection()
+        if self._hello_due:
+            self._hello_due = False
+            # Not while sitting out: we will not campaign for the next term.
+            if self._clock.monotonic() >= self._sit_out_until:
+                await self._announce({"hello": {"id": cfg.instance_id, "priority": cfg.priority}})
         now = self._clock.monotonic()
         if (
             self._leader is not None
@@ -893,6 +937,7 @@ class Election(BaseElection):
         if self._backend.is_connected:
             self._disconnected_since = None
             return False
+        self._connection_lost = True
         if self._disconnected_since is None:
             self._disconnected_since = now
             logger.warning("%s: leader lost its NATS connection", self.role)

@@ -15,6 +15,14 @@ should this candidate wait before it campaigns?
   not heard of for ``expiry`` seconds is dropped, so crashed candidates do not
   keep live ones waiting. The holder of the record that just ended is not in
   line either.
+* A reconnect starts the roster afresh (:meth:`Roster.reset`): a ``bye`` sent
+  while the connection or the server was down is lost, and a candidate that
+  left then would otherwise keep its place for ``expiry`` seconds. Each
+  candidate announces itself again after its reconnect, so only the live ones
+  come back.
+
+The roster only orders campaigns after a release: it never affects safety
+(taking the key is still one atomic create, whoever campaigns first).
 """
 
 from __future__ import annotations
@@ -52,6 +60,10 @@ class Roster:
     def forget(self, candidate_id: str) -> None:
         """Drop a candidate that said goodbye or whose term ended unrenewed."""
         self._entries.pop(candidate_id, None)
+
+    def reset(self) -> None:
+        """Forget every other candidate (after a reconnect: the live ones re-announce)."""
+        self._entries.clear()
 
     def live(self, now: float) -> dict[str, int]:
         """Every candidate heard of within ``expiry`` (and this one): id -> priority."""

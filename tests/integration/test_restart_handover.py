@@ -5,6 +5,9 @@ nats-py resubscribes their inboxes but nothing feeds them. Followers then
 learned of a release only from their periodic read, up to a
 ``resync_interval`` late (139-142 ms in a seeded fault run with TTL 1 s,
 against 2-9 ms for a hand-over before any restart).
+
+A candidate that leaves while the server is down says goodbye to no one: its
+place in line must go with the reconnect, not three heartbeats later.
 """
 
 from __future__ import annotations
@@ -72,3 +75,34 @@ async def test_graceful_handover_after_a_server_restart_takes_milliseconds(
                 key=lambda e: e.at,
             )
             assert demoted.at - promoted.at > LEASE / 2, (promoted, demoted)
+
+
+#: Each priority point below the best live candidate costs priority_step
+#: (10 ms): a stale candidate this far ahead cost the cap, 0.5 s.
+PREFERRED_PRIORITY = 50
+
+
+async def test_a_candidate_gone_while_the_server_was_down_keeps_no_place_in_line(
+    local: LocalElections, bucket: str, nats_server: NatsServer
+) -> None:
+    # b is preferred over c: while b lives, c campaigns 0.5 s after a release.
+    local.add("a")
+    await local["a"].start()
+    assert local["a"].is_leader
+    local.add("b", priority=PREFERRED_PRIORITY)
+    local.add("c")
+    await asyncio.gather(local["b"].start(), local["c"].start())
+    assert await agreed_leader(local, ["a", "b", "c"], TTL + SLACK) == "a"
+    # b leaves while the server is down: its "bye" goes nowhere.
+    await in_thread(nats_server.stop)
+    await local["b"].stop()
+    await in_thread(nats_server.start)
+    assert await agreed_leader(local, ["a", "c"], TTL + SLACK) == "a"
+    # At once: b's last "here" is still well within the roster's expiry
+    # (three heartbeats), so only the reconnect can have removed it.
+    stopped_at = time.monotonic()
+    await local["a"].stop()
+    successor = await local.wait_for("promoted", ["c"], after=stopped_at, timeout=TTL + SLACK)
+
+    took = successor.at - stopped_at
+    assert took < HANDOVER_BOUND, f"{took * 1000:.1f} ms"

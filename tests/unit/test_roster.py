@@ -41,3 +41,15 @@ def test_candidates_not_heard_of_for_the_expiry_drop_out_of_line() -> None:
     clock.advance(1.0)
     assert roster.place(clock.monotonic()) == (0, 0)
     assert roster.knows("z") and not roster.knows("crashed")
+
+
+def test_a_reset_keeps_only_the_candidate_itself_until_others_announce_again() -> None:
+    clock = ManualClock()
+    roster = Roster(own_id="c", own_priority=0, expiry=1.5)
+    roster.heard("gone", 9, clock.monotonic())
+    roster.heard("alive", 0, clock.monotonic())
+    roster.reset()  # the connection came back
+    assert roster.place(clock.monotonic()) == (0, 0)
+    roster.heard("alive", 0, clock.monotonic())  # its hello after its own reconnect
+    assert roster.live(clock.monotonic()) == {"alive": 0, "c": 0}
+    assert roster.place(clock.monotonic()) == (0, 1)
