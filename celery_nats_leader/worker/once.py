@@ -259,9 +259,19 @@ def run_task_once(task: Any, call: Callable[[], T]) -> T:
     # The renewal stops before the outcome is written (it must not move the
     # lease's revision under the final delete).
     setattr(task.request, _CLAIMED, True)
+    renewal = service.renewing(claim)
     try:
-        with service.renewing(claim) as current:
+        current = renewal.__enter__()
+    except RuntimeError as exc:
+        # The process's client was closed under us (at exit): the body did
+        # not run; another copy or the retry may run it.
+        _settle(service, lambda guard: guard.release(claim))
+        raise task.retry(countdown=retry_in, max_retries=_one_more(task)) from exc
+    try:
+        try:
             result = call()
+        finally:
+            renewal.__exit__(None, None, None)
     except (Retry, Reject, NotRun):
         # Not a finished run: a retry, a requeue or a copy we forwarded
         # (same id) must be able to run it.
