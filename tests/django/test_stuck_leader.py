@@ -110,6 +110,41 @@ def test_fence_ends_the_frozen_term_and_raises_the_database_fence(
     assert (role["leader_id"], role["answering"], role["note"]) == (follower, True, None)
 
 
+@pytest.mark.django_db
+def test_a_fence_whose_wait_for_the_successor_fails_still_reports_the_ended_term(
+    frozen: tuple[CandidateGroup, str, int],
+    nats_server: NatsServer,
+    monkeypatch: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # NATS goes away right after the term ended (and before the wait
+    # for the successor, on a connection of its own): the term has ended and
+    # the database fence is raised, so the command succeeds (exit 0) and says
+    # so, without a successor; a script retrying on an error would otherwise
+    # end the successor's term.
+    _, _, epoch = frozen
+    original = election_fence.fence_role
+
+    def fence_then_nats_goes_away(*args: Any, **kwargs: Any) -> FenceOutcome:
+        outcome = original(*args, **kwargs)
+        nats_server.stop()
+        return outcome
+
+    monkeypatch.setattr(election_fence, "fence_role", fence_then_nats_goes_away)
+    try:
+        doc = json.loads(run("election_fence", ROLE, "--json", "--timeout", "1", "--wait", "5"))
+    finally:
+        nats_server.start()  # same port and store, for the fixture's teardown
+    assert (doc["action"], doc["fenced"]) == ("fenced", {"id": "a", "epoch": epoch})
+    assert doc["new_leader"] is None
+    assert doc["database_epoch"] == doc["revision"] == current_epoch(ROLE)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        m.startswith(f"the term of {ROLE!r} ended; could not wait for its successor: ")
+        for m in warned
+    ), warned
+
+
 def test_fence_without_a_leader_exits_1(nats_leader: Any, bucket: str) -> None:
     from celery_nats_leader import ElectionConfig, Elector
 

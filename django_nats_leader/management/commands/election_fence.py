@@ -23,12 +23,14 @@ NATS cannot be used.
 from __future__ import annotations
 
 import json
+import logging
 from argparse import ArgumentParser
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
+from celery_nats_leader.errors import ElectionError
 from celery_nats_leader.ops.fence import (
     DEFAULT_HANDOVER_WAIT,
     FenceOutcome,
@@ -45,6 +47,8 @@ from django_nats_leader.management.common import (
 )
 
 REQUESTER = "manage.py election_fence"
+
+logger = logging.getLogger(__name__)
 
 
 def fence_role(
@@ -105,9 +109,11 @@ def fence_role_and_database(
     """End the term, raise the database fence at once, then wait for the successor.
 
     Returns:
-        The outcome (with the successor, if one came within ``wait``), the
-        database fence's epoch (``None`` when not raised) and the database
-        error that prevented raising it, if any.
+        The outcome (with the successor, if one came within ``wait`` and
+        NATS could be asked: a failure while waiting is logged at WARNING,
+        the term has ended all the same), the database fence's epoch
+        (``None`` when not raised) and the database error that prevented
+        raising it, if any.
 
     """
     outcome = fence_role(
@@ -121,9 +127,15 @@ def fence_role_and_database(
         except DatabaseError as exc:
             problem = exc
     if wait > 0:
-        outcome = wait_for_successor(
-            settings, outcome, wait=wait, timeout=timeout, requester=operator_name(REQUESTER)
-        )
+        try:
+            outcome = wait_for_successor(
+                settings, outcome, wait=wait, timeout=timeout, requester=operator_name(REQUESTER)
+            )
+        except ElectionError as exc:
+            # The term has ended (and the fence is raised): that is the
+            # outcome. Reporting a failure would make a retry without
+            # --epoch end the successor's term.
+            logger.warning("the term of %r ended; could not wait for its successor: %s", role, exc)
     return outcome, database_epoch, problem
 
 
