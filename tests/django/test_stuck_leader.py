@@ -20,6 +20,7 @@ from django.core.management.base import CommandError
 
 from celery_nats_leader.ops.fence import FenceOutcome
 from celery_nats_leader.testing import CandidateGroup, NatsServer
+from celery_nats_leader.token import ALLCALL_EPOCH_FLOOR
 from django_nats_leader.fencing import StaleLeaderError, current_epoch, fenced
 from django_nats_leader.management.commands import election_fence
 from tests.django.conftest import Candidates, require_postgres
@@ -143,6 +144,23 @@ def test_a_fence_whose_wait_for_the_successor_fails_still_reports_the_ended_term
         m.startswith(f"the term of {ROLE!r} ended; could not wait for its successor: ")
         for m in warned
     ), warned
+
+
+@pytest.mark.django_db
+def test_a_database_fence_of_the_other_strategy_is_an_error_with_its_remedy(
+    frozen: tuple[CandidateGroup, str, int],
+) -> None:
+    # The role ran on ALLCALL before (its fence holds a millisecond epoch):
+    # that is not a successor's higher epoch but a fence the KV term cannot be
+    # ordered against; the operator is told, with what to run (exit 2).
+    allcall_epoch = ALLCALL_EPOCH_FLOOR + 5
+    with fenced(ROLE, f"{allcall_epoch}:allcall-term"):
+        pass
+    with pytest.raises(CommandError, match="election_fence_reset") as info:
+        run("election_fence", ROLE, "--json", "--wait", "0")
+    assert info.value.returncode == 2
+    assert f"holds epoch {allcall_epoch}, a term of the 'allcall' strategy" in str(info.value)
+    assert current_epoch(ROLE) == allcall_epoch
 
 
 def test_fence_without_a_leader_exits_1(nats_leader: Any, bucket: str) -> None:
