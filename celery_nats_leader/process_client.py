@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import logging
 import os
 import socket
@@ -152,10 +153,22 @@ class ProcessClient:
                 is cancelled), or the client was closed.
 
         """
+        message = what or "no answer from NATS"
         try:
-            return self._started(coro).run(coro, timeout)
-        except (TimeoutError, RuntimeError) as exc:
-            raise BackendTimeoutError(f"{what or 'no answer from NATS'}: {exc}") from exc
+            loop = self._started(coro)
+        except RuntimeError as exc:  # closed
+            raise BackendTimeoutError(f"{message}: {exc}") from exc
+        try:
+            return loop.run(coro, timeout)
+        except TimeoutError as exc:
+            raise BackendTimeoutError(f"{message}: {exc}") from exc
+        except concurrent.futures.CancelledError as exc:
+            # close() stopped the loop under the call (its tasks are cancelled).
+            raise BackendTimeoutError(f"{message}: the client was closed meanwhile") from exc
+        except RuntimeError as exc:
+            if loop.is_running:
+                raise  # the coroutine's own error, or a call from the loop's thread: a bug
+            raise BackendTimeoutError(f"{message}: {exc}") from exc
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Schedule ``coro`` on the client's loop (for work that runs alongside the caller).

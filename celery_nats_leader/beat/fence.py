@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from celery import Task
-from celery.exceptions import Ignore
 
 from celery_nats_leader.errors import ElectionError, RecordFormatError
 from celery_nats_leader.process_client import ProcessClient
 from celery_nats_leader.settings import LeaderSettings, settings_of_app
 from celery_nats_leader.term import TermReader
 from celery_nats_leader.token import FencingToken
+from celery_nats_leader.worker.refused import NotRun
 
 if TYPE_CHECKING:
     from celery_nats_leader.nats.connection import ConnectOptions
@@ -297,7 +297,7 @@ def enforce_dispatch_token(task: Any, *, retry_countdown: float = 1.0) -> Dispat
         headers.get(ENTRY_HEADER),
         headers.get(TICK_HEADER),
     )
-    raise Ignore()
+    raise NotRun()
 
 
 class FencedBeatTask(Task):  # type: ignore[misc]  # Celery is untyped

@@ -319,10 +319,12 @@ async def fence_leader(
                 entry = await kv.get(role, timeout=timeout)
                 current = _record(entry)
                 if entry is None or current is None or current.token != target.token:
-                    if accepted:
-                        # It handed over after all, just later than the wait;
-                        # its delete may not have come through the watch yet
-                        # (it comes before any successor's record).
+                    if handover_wait > 0:
+                        # It handed over after all, just later than the wait
+                        # (its answer too maybe: it checks its term before
+                        # answering, for up to its request timeout); its
+                        # delete may not have come through the watch yet (it
+                        # comes before any successor's record).
                         await key.until(
                             time.monotonic() + timeout, lambda: key.released(observed) is not None
                         )

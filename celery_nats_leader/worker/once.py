@@ -27,9 +27,15 @@ Before the body runs the worker claims the id in KV (two round trips):
   nothing is dropped).
 
 After the body: success and failure are recorded as done (as Celery
-acknowledges a failed task, a failed run is not run again); ``Retry``,
-``Reject`` and ``Ignore`` raised by the body release the claim so that the
-retry, the requeued message or the replacement can run. A worker that dies in the
+acknowledges a failed task, a failed run is not run again), and so is
+``Ignore`` raised by the body (``Task.replace`` has sent the replacement, a
+body stored its own state): a copy of the message is not run again.
+``Retry``, ``Reject`` and this package's own refusals
+(:class:`~celery_nats_leader.worker.refused.NotRun`: a dispatch under an ended
+beat term, a leader-only task skipped or forwarded under the same id) release
+the claim so that the retry, the requeued message or the forwarded copy can
+run. A replacement sent by ``Task.replace`` runs unguarded (its tick was
+claimed by the task it replaces). A worker that dies in the
 body records nothing: its lease expires and a redelivery (``acks_late`` with
 ``task_reject_on_worker_lost``) or a duplicate runs it again.
 
@@ -64,6 +70,7 @@ from celery_nats_leader.errors import (
 from celery_nats_leader.once import Claim, ClaimLostError, OnceGuard, Verdict
 from celery_nats_leader.process_client import ProcessClient
 from celery_nats_leader.settings import LeaderSettings, settings_of_app
+from celery_nats_leader.worker.refused import NotRun
 
 __all__ = ["OnceService", "OnceTask", "run_once", "run_task_once"]
 
@@ -191,6 +198,10 @@ class OnceService:
 
 def _guarded(task: Any) -> bool:
     request = task.request
+    if getattr(request, "replaced_task_nesting", 0):
+        # Task.replace sent it under the id of the task it replaces, whose
+        # run is recorded done: guarding it would drop it as "already ran".
+        return False
     return bool(request.id) and not request.is_eager and not request.called_directly
 
 
@@ -248,13 +259,28 @@ def run_task_once(task: Any, call: Callable[[], T]) -> T:
     # The renewal stops before the outcome is written (it must not move the
     # lease's revision under the final delete).
     setattr(task.request, _CLAIMED, True)
+    renewal = service.renewing(claim)
     try:
-        with service.renewing(claim) as current:
+        current = renewal.__enter__()
+    except RuntimeError as exc:
+        # The process's client was closed under us (at exit): the body did
+        # not run; another copy or the retry may run it.
+        _settle(service, lambda guard: guard.release(claim))
+        raise task.retry(countdown=retry_in, max_retries=_one_more(task)) from exc
+    try:
+        try:
             result = call()
-    except (Retry, Reject, Ignore):
-        # Not a finished run: a retry, a requeue, a copy forwarded or a
-        # replacement (Task.replace keeps the id) must be able to run it.
+        finally:
+            renewal.__exit__(None, None, None)
+    except (Retry, Reject, NotRun):
+        # Not a finished run: a retry, a requeue or a copy we forwarded
+        # (same id) must be able to run it.
         _settle(service, lambda guard: guard.release(current[0]))
+        raise
+    except Ignore:
+        # The body finished its own way (Task.replace sent the replacement,
+        # update_state then Ignore): a copy of the message must not run it again.
+        _settle(service, lambda guard: guard.complete(current[0], "ignored"))
         raise
     except Exception:
         _settle(service, lambda guard: guard.complete(current[0], "failure"))

@@ -53,7 +53,7 @@ from typing import Any, Literal, NoReturn, TypeVar, cast, overload
 
 from celery import Task
 from celery._state import get_current_task
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Reject
 
 from celery_nats_leader import constants as c
 from celery_nats_leader.config import validate_key
@@ -61,6 +61,7 @@ from celery_nats_leader.errors import ConfigError, LeadershipLostError, NotLeade
 from celery_nats_leader.settings import settings_of_app
 from celery_nats_leader.token import FencingToken
 from celery_nats_leader.worker import state as worker_state
+from celery_nats_leader.worker.refused import NotRun
 
 __all__ = [
     "LeaderTask",
@@ -282,7 +283,7 @@ def _refuse(task: Any, binding: _Binding, reason: str) -> NoReturn:
     policy = binding.options.on_follower
     if policy == "skip":
         logger.info("%s[%s] skipped: %s (role %r)", task.name, request.id, reason, role)
-        raise Ignore()
+        raise NotRun()
     if policy == "raise":
         raise NotLeaderError(f"{task.name}[{request.id}]: {reason} (role {role!r})")
     if task.acks_late and _delivered_from(request, binding.queue):
@@ -297,7 +298,7 @@ def _refuse(task: Any, binding: _Binding, reason: str) -> NoReturn:
     logger.info(
         "%s[%s] forwarded to %s: %s (role %r)", task.name, request.id, binding.queue, reason, role
     )
-    raise Ignore()
+    raise NotRun()
 
 
 def _run_guarded(

@@ -43,6 +43,7 @@ from celery_nats_leader.beat import (
 )
 from celery_nats_leader.testing import kombu_fs
 from celery_nats_leader.worker.once import OnceTask, run_once
+from celery_nats_leader.worker.refused import NotRun
 
 # kombu's filesystem transport writes a message file non-atomically: a polling
 # consumer can read it empty and die. Tests use the atomic variant.
@@ -277,12 +278,26 @@ def make_app(config: dict[str, Any]) -> Celery:
     @app.task(shared=False, bind=True, base=OnceTask, name="cnl_beat.once_forward")
     def once_forward(self: Any, forwarded: bool = False) -> None:
         # Hands its message on under the same id and lets this copy go
-        # (Ignore), as @leader_only's forward and Task.replace do.
+        # (NotRun), as @leader_only's forward does.
         if not forwarded:
             ledger.run(task="once_forward:handed-on", task_id=self.request.id)
             self.apply_async(kwargs={"forwarded": True}, task_id=self.request.id)
-            raise Ignore()
+            raise NotRun()
         ledger.run(task="once_forward:ran", task_id=self.request.id)
+
+    # Plain tasks, run once as beat ticks (the once header) by the bootstep.
+    @app.task(shared=False, bind=True, name="cnl_beat.tick_replace")
+    def tick_replace(self: Any, queue: str) -> None:
+        # Celery's Task.replace: sends the replacement under this id, then
+        # raises Ignore. The replacement is an OnceTask.
+        _record(ledger, self)
+        raise self.replace(once.s().set(queue=queue))
+
+    @app.task(shared=False, bind=True, name="cnl_beat.tick_ignore")
+    def tick_ignore(self: Any) -> None:
+        # Celery's documented "handle it yourself, then raise Ignore".
+        _record(ledger, self)
+        raise Ignore()
 
     app.cnl_ledger = ledger  # type: ignore[attr-defined]
     return app

@@ -22,6 +22,8 @@ import pytest
 from cnl_beat_app import make_app
 from cnl_beat_harness import BeatCluster, wait_for
 
+from celery_nats_leader.beat.fence import ONCE_HEADER, TICK_HEADER
+
 pytestmark = [pytest.mark.integration, pytest.mark.celery, pytest.mark.timeout(180)]
 
 LEASE = 2.0
@@ -140,3 +142,60 @@ def test_a_body_that_hands_its_message_on_lets_the_copy_run(
     handed_on = collections.Counter(r.task_id for r in ledger.runs("once_forward:handed-on"))
     ran = collections.Counter(r.task_id for r in ledger.runs("once_forward:ran"))
     assert handed_on == dict.fromkeys(ids, 1) and ran == dict.fromkeys(ids, 1)
+
+
+def test_a_tick_whose_body_replaces_itself_or_raises_ignore_runs_once(
+    cluster_factory: Callable[..., BeatCluster], broker: Any
+) -> None:
+    # Celery's Task.replace sends the replacement under the tick's id and
+    # raises Ignore; a body may also store its own state and raise Ignore.
+    # Both finished the run: a re-sent copy of the tick (the outbox sends
+    # twice) is not run again, and the replacement (an OnceTask) runs once.
+    cluster = cluster_factory(entries=[], extra=EXTRA)
+    cluster.config["bootstep"] = True  # runs our ticks (the once header) once
+    app = make_app(cluster.config)
+    ids = {name: [str(uuid.uuid4()) for _ in range(4)] for name in ("replace", "ignore")}
+    tick = {ONCE_HEADER: True, TICK_HEADER: "manual"}
+    for _ in range(2):
+        for task_id in ids["replace"]:
+            app.send_task(
+                "cnl_beat.tick_replace",
+                kwargs={"queue": cluster.queue},
+                task_id=task_id,
+                queue=cluster.queue,
+                headers=tick,
+            )
+        for task_id in ids["ignore"]:
+            app.send_task(
+                "cnl_beat.tick_ignore", task_id=task_id, queue=cluster.queue, headers=tick
+            )
+    cluster.start_worker(pool="threads", concurrency=4)
+    ledger = cluster.ledger
+
+    def dropped(name: str) -> int:
+        # Copies acknowledged as already run (the guard logs them at INFO).
+        return sum(
+            f"cnl_beat.{name}[" in line and "already ran (on " in line
+            for w in cluster.workers
+            for line in w.log().splitlines()
+        )
+
+    def settled() -> bool:
+        # Each copy either ran its body or was dropped as already run, and
+        # every replacement sent ran.
+        replace_runs = len(ledger.runs("cnl_beat.tick_replace"))
+        return (
+            replace_runs + dropped("tick_replace") == 2 * len(ids["replace"])
+            and len(ledger.runs("cnl_beat.tick_ignore")) + dropped("tick_ignore")
+            == 2 * len(ids["ignore"])
+            and len(ledger.runs("cnl_beat.once")) + dropped("once") >= replace_runs
+        )
+
+    wait_for(settled, 90, "every copy of the ticks settled", cluster.diagnostics)
+    bodies = collections.Counter(r.task_id for r in ledger.runs("cnl_beat.tick_replace"))
+    replacements = collections.Counter(r.task_id for r in ledger.runs("cnl_beat.once"))
+    ignored = collections.Counter(r.task_id for r in ledger.runs("cnl_beat.tick_ignore"))
+    assert bodies == dict.fromkeys(ids["replace"], 1)
+    assert replacements == dict.fromkeys(ids["replace"], 1)
+    assert ignored == dict.fromkeys(ids["ignore"], 1)
+    assert (dropped("tick_replace"), dropped("tick_ignore")) == (4, 4)

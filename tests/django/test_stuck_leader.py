@@ -20,6 +20,7 @@ from django.core.management.base import CommandError
 
 from celery_nats_leader.ops.fence import FenceOutcome
 from celery_nats_leader.testing import CandidateGroup, NatsServer
+from celery_nats_leader.token import ALLCALL_EPOCH_FLOOR
 from django_nats_leader.fencing import StaleLeaderError, current_epoch, fenced
 from django_nats_leader.management.commands import election_fence
 from tests.django.conftest import Candidates, require_postgres
@@ -108,6 +109,58 @@ def test_fence_ends_the_frozen_term_and_raises_the_database_fence(
     # Status now: the follower leads and answers.
     (role,) = json.loads(run("election_status", "--json", "--strict"))["roles"]
     assert (role["leader_id"], role["answering"], role["note"]) == (follower, True, None)
+
+
+@pytest.mark.django_db
+def test_a_fence_whose_wait_for_the_successor_fails_still_reports_the_ended_term(
+    frozen: tuple[CandidateGroup, str, int],
+    nats_server: NatsServer,
+    monkeypatch: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # NATS goes away right after the term ended (and before the wait
+    # for the successor, on a connection of its own): the term has ended and
+    # the database fence is raised, so the command succeeds (exit 0) and says
+    # so, without a successor; a script retrying on an error would otherwise
+    # end the successor's term.
+    _, _, epoch = frozen
+    original = election_fence.fence_role
+
+    def fence_then_nats_goes_away(*args: Any, **kwargs: Any) -> FenceOutcome:
+        outcome = original(*args, **kwargs)
+        nats_server.stop()
+        return outcome
+
+    monkeypatch.setattr(election_fence, "fence_role", fence_then_nats_goes_away)
+    try:
+        doc = json.loads(run("election_fence", ROLE, "--json", "--timeout", "1", "--wait", "5"))
+    finally:
+        nats_server.start()  # same port and store, for the fixture's teardown
+    assert (doc["action"], doc["fenced"]) == ("fenced", {"id": "a", "epoch": epoch})
+    assert doc["new_leader"] is None
+    assert doc["database_epoch"] == doc["revision"] == current_epoch(ROLE)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        m.startswith(f"the term of {ROLE!r} ended; could not wait for its successor: ")
+        for m in warned
+    ), warned
+
+
+@pytest.mark.django_db
+def test_a_database_fence_of_the_other_strategy_is_an_error_with_its_remedy(
+    frozen: tuple[CandidateGroup, str, int],
+) -> None:
+    # The role ran on ALLCALL before (its fence holds a millisecond epoch):
+    # that is not a successor's higher epoch but a fence the KV term cannot be
+    # ordered against; the operator is told, with what to run (exit 2).
+    allcall_epoch = ALLCALL_EPOCH_FLOOR + 5
+    with fenced(ROLE, f"{allcall_epoch}:allcall-term"):
+        pass
+    with pytest.raises(CommandError, match="election_fence_reset") as info:
+        run("election_fence", ROLE, "--json", "--wait", "0")
+    assert info.value.returncode == 2
+    assert f"holds epoch {allcall_epoch}, a term of the 'allcall' strategy" in str(info.value)
+    assert current_epoch(ROLE) == allcall_epoch
 
 
 def test_fence_without_a_leader_exits_1(nats_leader: Any, bucket: str) -> None:

@@ -21,10 +21,12 @@ import pytest
 from nats.aio.client import Client
 
 from celery_nats_leader import DemoteReason, ElectionConfig, Elector
+from celery_nats_leader.constants import RESIGN_VERB
+from celery_nats_leader.election.base import control_subject
 from celery_nats_leader.errors import NotLeaderError
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.ops.fence import DEFAULT_HANDOVER_WAIT, fence_leader
-from celery_nats_leader.record import decode_record
+from celery_nats_leader.record import decode_record, encode_record
 from celery_nats_leader.testing import CandidateGroup, NatsServer
 from tests.integration.helpers import ROLE, SLACK, KeyHistory, create_bucket, in_thread
 
@@ -266,3 +268,40 @@ async def test_a_leader_still_in_its_demote_callbacks_is_fenced_when_the_wait_ru
         finish.set()
         for elector in electors.values():
             await in_thread(elector.stop)
+
+
+async def test_a_leader_that_releases_while_its_answer_is_late_is_reported_as_handed_over(
+    nats_server: NatsServer, fence_bucket: str, operator: Client
+) -> None:
+    """Its key is released after the request, but no answer came within ``handover_wait``.
+
+    (A leader's check of its term before answering can take up to its
+    request timeout.) The fence's conditional write then loses to the
+    release: the term ended on request, and the outcome says so with the
+    release's revision (a database fence is raised to it), not "ended
+    meanwhile; nothing fenced".
+    """
+    backend = JetStreamBackend(operator)
+    kv = await backend.open_bucket(fence_bucket, ttl=None, create=False, replicas=1, timeout=5)
+    record = encode_record(instance_id="a", token="t-a", epoch=None, priority=0, meta={})
+    revision = await kv.create(ROLE, record, timeout=5)
+    released: list[int] = []
+
+    async def release_without_answering(data: bytes, reply: str | None) -> None:
+        released.append(await kv.delete(ROLE, last=revision, timeout=5))
+
+    subscription = await backend.subscribe(
+        control_subject(fence_bucket, ROLE, RESIGN_VERB), release_without_answering
+    )
+    try:
+        outcome = await fence_leader(
+            backend, fence_bucket, ROLE, requester="test", wait=0, handover_wait=0.2
+        )
+    finally:
+        await subscription.unsubscribe()
+    assert (outcome.action, outcome.fenced.id, outcome.fenced.epoch) == (
+        "handed_over",
+        "a",
+        revision,
+    )
+    assert outcome.revision == released[0] > revision

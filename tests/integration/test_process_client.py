@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -161,3 +162,53 @@ def test_a_closed_client_is_never_reopened(nats_server: NatsServer) -> None:
         assert names.count(current.name) == 1, names
     finally:
         current.close()
+
+
+def test_a_call_in_flight_when_the_client_closes_fails_as_an_election_error(
+    nats_server: NatsServer,
+) -> None:
+    # close() (at exit, or a caller's) stops the loop under a call that is
+    # waiting: the caller gets the package's error, that callers retry on
+    # (the once-guard retries the task), not concurrent.futures' CancelledError.
+    client = ProcessClient.for_connection(ConnectOptions(servers=(nats_server.url,)))
+    started = threading.Event()
+    raised: list[BaseException] = []
+
+    async def waiting() -> None:
+        await client.backend(5)
+        started.set()
+        await asyncio.Event().wait()  # an answer that never comes
+
+    def call() -> None:
+        try:
+            client.run(waiting(), 30, what="the test's call")
+        except BaseException as exc:
+            raised.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert started.wait(10)
+    client.close()
+    caller.join(10)
+    assert not caller.is_alive()
+    assert [type(exc) for exc in raised] == [BackendTimeoutError]
+    assert str(raised[0]) == "the test's call: the client was closed meanwhile"
+
+
+def test_a_coroutines_own_runtime_error_is_not_taken_for_a_closed_client(
+    nats_server: NatsServer,
+) -> None:
+    # Only a loop that is not running (a closed client) means "no answer";
+    # a bug in the coroutine surfaces as itself.
+    client = ProcessClient.for_connection(ConnectOptions(servers=(nats_server.url,)))
+
+    async def broken() -> None:
+        await client.backend(5)
+        raise RuntimeError("a bug in the caller's coroutine")
+
+    try:
+        with pytest.raises(RuntimeError, match="a bug in the caller's coroutine") as info:
+            client.run(broken(), 5)
+        assert type(info.value) is RuntimeError
+    finally:
+        client.close()

@@ -17,18 +17,23 @@ fence above that revision: that is success too.
 
 Exit status: 0 when the term ended (handed over or fenced; the output says
 which), 1 when nobody leads the role (or its term is not ``--epoch``), 2 when
-NATS cannot be used.
+NATS cannot be used or the database fence holds an epoch of the other
+strategy (the message says what to run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from argparse import ArgumentParser
+from collections.abc import Iterator
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
+from celery_nats_leader.errors import ElectionError
 from celery_nats_leader.ops.fence import (
     DEFAULT_HANDOVER_WAIT,
     FenceOutcome,
@@ -39,12 +44,15 @@ from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 from django_nats_leader.management.common import (
+    EXIT_ERROR,
     checked_role,
     election_errors,
     load_settings,
 )
 
 REQUESTER = "manage.py election_fence"
+
+logger = logging.getLogger(__name__)
 
 
 def fence_role(
@@ -78,13 +86,20 @@ def raise_database_fence(outcome: FenceOutcome, *, using: str | None = None) -> 
     A successor whose fenced write came first has raised the fence above that
     revision already: the old term is refused either way, so its epoch is
     returned, not an error.
+
+    Raises:
+        StrategyChangedError: The fence holds an epoch of the other strategy.
     """
-    from django_nats_leader.fencing import StaleLeaderError, fenced
+    from django_nats_leader.fencing import StaleLeaderError, StrategyChangedError, fenced
 
     token = FencingToken(epoch=outcome.revision, value=outcome.token)
     try:
         with fenced(outcome.role, token, using=using, holder="election_fence") as row:
             return row.epoch
+    except StrategyChangedError:
+        # Not a successor's epoch: the fence holds another strategy's, which
+        # cannot be ordered against this term (its message says what to do).
+        raise
     except StaleLeaderError as exc:
         if exc.current_epoch is not None and exc.current_epoch > outcome.revision:
             return exc.current_epoch
@@ -105,9 +120,11 @@ def fence_role_and_database(
     """End the term, raise the database fence at once, then wait for the successor.
 
     Returns:
-        The outcome (with the successor, if one came within ``wait``), the
-        database fence's epoch (``None`` when not raised) and the database
-        error that prevented raising it, if any.
+        The outcome (with the successor, if one came within ``wait`` and
+        NATS could be asked: a failure while waiting is logged at WARNING,
+        the term has ended all the same), the database fence's epoch
+        (``None`` when not raised) and the database error that prevented
+        raising it, if any.
 
     """
     outcome = fence_role(
@@ -121,10 +138,27 @@ def fence_role_and_database(
         except DatabaseError as exc:
             problem = exc
     if wait > 0:
-        outcome = wait_for_successor(
-            settings, outcome, wait=wait, timeout=timeout, requester=operator_name(REQUESTER)
-        )
+        try:
+            outcome = wait_for_successor(
+                settings, outcome, wait=wait, timeout=timeout, requester=operator_name(REQUESTER)
+            )
+        except ElectionError as exc:
+            # The term has ended (and the fence is raised): that is the
+            # outcome. Reporting a failure would make a retry without
+            # --epoch end the successor's term.
+            logger.warning("the term of %r ended; could not wait for its successor: %s", role, exc)
     return outcome, database_epoch, problem
+
+
+@contextlib.contextmanager
+def strategy_changed() -> Iterator[None]:
+    """Exit 2 with its message on :class:`StrategyChangedError` (not "nobody leads")."""
+    from django_nats_leader.fencing import StrategyChangedError
+
+    try:
+        yield
+    except StrategyChangedError as exc:
+        raise CommandError(str(exc), returncode=EXIT_ERROR) from exc
 
 
 class Command(BaseCommand):
@@ -179,7 +213,7 @@ class Command(BaseCommand):
             wait = settings.election_config(role).ttl
         if options["handover_wait"] < 0:
             raise CommandError("--handover-wait must be 0 or more seconds")
-        with election_errors():
+        with election_errors(), strategy_changed():
             outcome, database_epoch, problem = fence_role_and_database(
                 settings,
                 role,
