@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import multiprocessing
 import signal
-import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from celery_nats_leader.beat.fence import (
 from celery_nats_leader.beat.metrics import TickMetrics
 from celery_nats_leader.beat.state import EntryState
 from celery_nats_leader.beat.ticks import TickPlan, TickPlanner, slot_text, tick_task_id, to_utc
+from celery_nats_leader.celery_compat import beat_nodename, slot_schedule
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import (
@@ -66,16 +66,6 @@ else:
 __all__ = ["LeaderScheduler", "LeaderSchedulerMixin"]
 
 logger = logging.getLogger(__name__)
-
-
-def _beat_nodename() -> str:
-    # celery.beat.beat_nodename exists from Celery 5.7 on.
-    import celery.beat
-
-    nodename = getattr(celery.beat, "beat_nodename", None)
-    if callable(nodename):
-        return str(nodename())
-    return f"celerybeat@{socket.gethostname()}"
 
 
 @contextlib.contextmanager
@@ -418,7 +408,7 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         cls = type(self)
         meta = {
             **config.meta,
-            "worker": _beat_nodename(),
+            "worker": beat_nodename(),
             # What tells a beat replica that the role's holder is a scheduler.
             SCHEDULER_META_KEY: f"{cls.__module__}.{cls.__qualname__}",
         }
@@ -525,6 +515,13 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             return max_interval
         if plan is not None and plan.due and plan.slot is not None:
             return _Due(plan.slot, name, entry, state, plan.skipped)
+        if plan is not None and plan.slot is not None and self.catches_up(entry.schedule):
+            # Celery's own is_due() said due, its slots say not yet: the slots
+            # decide (before Celery 5.7 crontab.is_due() computes in wall-clock
+            # time, an hour off across a DST change), so no extra tick.
+            wait = min(plan.wait, max_interval)
+            self.nats_leader_agenda.hold(name, entry, state.revision, now_ts + wait)
+            return wait
         # Due by is_due() although no slot of the schedule is (a custom
         # is_due(), a clocked time before the entry's anchor): the tick is
         # identified by the time it was found due, as Celery's last_run_at.
@@ -546,8 +543,14 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         # ticks it refused are not caught up later (Celery's behaviour).
         limit = None if self.catches_up(schedule) else 0
         try:
+            # Before Celery 5.7 a crontab needs help to give 5.7's slots.
             return self.nats_leader_planner.plan(
-                name, schedule, state.slot, now, not_before=not_before, max_catch_up=limit
+                name,
+                slot_schedule(schedule),
+                state.slot,
+                now,
+                not_before=not_before,
+                max_catch_up=limit,
             )
         except NotImplementedError:
             # A custom schedule with is_due() only: its ticks have no slots.

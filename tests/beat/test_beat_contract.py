@@ -20,9 +20,10 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from celery import Celery, _state
@@ -44,11 +45,14 @@ class Clock:
 
     def __init__(self) -> None:
         self.now = T0
+        #: As ``app.now()``: the time in the app's timezone (Celery before 5.7
+        #: matches a crontab's fields in the frame of the time it is given).
+        self.zone: tzinfo = UTC
         self._lock = threading.Lock()
 
     def __call__(self) -> datetime:
         with self._lock:
-            return self.now
+            return self.now.astimezone(self.zone)
 
     def advance(self, seconds: float) -> None:
         with self._lock:
@@ -82,7 +86,20 @@ class WeekdaysEvery(schedule):  # type: ignore[misc]
         return super().is_due(last_run_at)
 
 
-class WeekdaysCron(crontab):  # type: ignore[misc]
+class ManualCron(crontab):  # type: ignore[misc]
+    """Celery's crontab, keeping its ``nowfun`` through any number of shelve round trips.
+
+    (Before Celery 5.7 an unpickled crontab forgets its keyword arguments, so
+    the second round trip drops ``nowfun`` and the schedule reads the real
+    clock.)
+    """
+
+    def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state)
+        self._orig_kwargs = dict(state)
+
+
+class WeekdaysCron(ManualCron):
     """A crontab that does not run on weekends (``is_due`` decides)."""
 
     def is_due(self, last_run_at: datetime) -> Any:
@@ -218,6 +235,7 @@ def make_pair(server: NatsServer, tmp_path: Path) -> Iterator[Callable[..., Pair
         deadline, only reach Celery's scheduler through the current app.)
         """
         CLOCK.now = T0
+        CLOCK.zone = ZoneInfo(conf.get("timezone", "UTC"))
         schedulers = []
         for kind, cls in (("oracle", OracleScheduler), ("ours", LeaderUnderTest)):
             app = Celery(f"contract-{kind}", set_as_current=current)
@@ -346,8 +364,8 @@ def test_crontab_and_solar_across_a_dst_change(
     pair = make_pair(
         {
             # 02:30 does not exist on the spring day and exists twice in autumn.
-            "night": entry(crontab(minute=30, hour=2, nowfun=now)),
-            "hourly": entry(crontab(minute=15, nowfun=now)),
+            "night": entry(ManualCron(minute=30, hour=2, nowfun=now)),
+            "hourly": entry(ManualCron(minute=15, nowfun=now)),
             "sunset": entry(ManualSolar("sunset", 48.85, 2.35, nowfun=now)),
         },
         timezone="Europe/Paris",
@@ -373,7 +391,7 @@ def test_after_a_long_gap_at_most_max_catch_up_ticks_then_the_latest(
         {
             "second": entry(schedule(timedelta(seconds=1), nowfun=now)),
             "minute": entry(schedule(timedelta(minutes=1), nowfun=now)),
-            "cron": entry(crontab(nowfun=now)),
+            "cron": entry(ManualCron(nowfun=now)),
         },
         nats_leader_beat_max_catch_up=3,
     )
@@ -400,7 +418,7 @@ def test_after_a_long_gap_at_most_max_catch_up_ticks_then_the_latest(
 
 
 def test_a_few_missed_ticks_are_caught_up_one_by_one(make_pair: Callable[..., Pair]) -> None:
-    pair = make_pair({"minute": entry(crontab(nowfun=now))}, nats_leader_beat_max_catch_up=5)
+    pair = make_pair({"minute": entry(ManualCron(nowfun=now))}, nats_leader_beat_max_catch_up=5)
     pair.run_for(61)
     CLOCK.advance(4 * 60)
     drain(pair.ours)
@@ -415,7 +433,7 @@ def test_a_few_missed_ticks_are_caught_up_one_by_one(make_pair: Callable[..., Pa
 def test_beat_cron_starting_deadline(make_pair: Callable[..., Pair]) -> None:
     # Issue 10 #5: a cron slot older than the deadline is not run after a gap.
     pair = make_pair(
-        {"hourly": entry(crontab(minute=0, nowfun=now))},
+        {"hourly": entry(ManualCron(minute=0, nowfun=now))},
         current=True,
         beat_cron_starting_deadline=120,
         nats_leader_beat_max_catch_up=10,

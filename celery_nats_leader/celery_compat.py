@@ -1,0 +1,185 @@
+"""What differs between the Celery versions the package supports (5.3 to 5.7), in one place.
+
+Every difference is detected by the feature, never by the version string: a
+probe asks the installed Celery once and the answer is cached. The callers
+(the beat scheduler, the worker's leader-queue consumer) ask this module and
+keep one code path each.
+
+* :func:`crontab_uses_its_timezone` / :func:`crontab_catches_up_across_days`:
+  before Celery 5.7, ``crontab.remaining_delta()`` computes in the frame of
+  the ``last_run_at`` it is given (a ``crontab(hour=4)`` of an app in
+  ``Europe/Paris`` fed a UTC time answers 04:00 UTC), and it does not return
+  a slot of the hour of ``last_run_at`` unless ``now`` is on the same day (so
+  missed minutes of an old day are jumped over). :func:`slot_schedule`
+  gives such a crontab Celery 5.7's arithmetic, so the slots the scheduler
+  dispatches are the same on every supported Celery.
+* :func:`beat_nodename`: ``celery.beat.beat_nodename`` exists from 5.7 on.
+
+This module imports Celery: only the Celery integration (``beat``,
+``worker``) imports it, never the core.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from celery.schedules import crontab
+
+__all__ = [
+    "CrontabSlots",
+    "beat_nodename",
+    "crontab_catches_up_across_days",
+    "crontab_uses_its_timezone",
+    "slot_schedule",
+]
+
+UTC = timezone.utc
+
+
+def _probe_delta(cron: Any, last_run_at: datetime, now: datetime, tz: Any) -> tuple[datetime, Any]:
+    """``cron.remaining_delta(last_run_at)`` with ``now`` frozen and ``tz`` as its timezone."""
+    # Instance attributes shadow the schedule's cached ``tz``/``utc_enabled``
+    # properties, so the probe needs no Celery app.
+    cron.tz = tz
+    cron.utc_enabled = True
+    cron.nowfun = lambda: now
+    start, delta, _ = cron.remaining_delta(last_run_at)
+    return start, delta
+
+
+@functools.cache
+def crontab_uses_its_timezone() -> bool:
+    """Whether ``crontab`` matches its fields in its own timezone whatever ``last_run_at``'s.
+
+    True from Celery 5.7 on. Before, the fields are matched in the frame of
+    the ``last_run_at`` passed in.
+
+    Returns:
+        The installed Celery's behaviour.
+
+    """
+    at = datetime(2024, 5, 1, 1, 0, tzinfo=UTC)
+    start, _ = _probe_delta(crontab(minute=0, hour=4), at, at, ZoneInfo("Europe/Paris"))
+    # 01:00 UTC is 03:00 in Paris in May.
+    return start.utcoffset() == timedelta(hours=2)
+
+
+@functools.cache
+def crontab_catches_up_across_days() -> bool:
+    """Whether ``crontab`` gives the next slot in ``last_run_at``'s hour when ``now`` is days later.
+
+    True from Celery 5.7 on. Before, ``remaining_delta()`` only looks for a
+    later minute of ``last_run_at``'s hour if ``now`` is on the same date,
+    so an every-minute crontab last run at 01:00 on a past day answers
+    02:00, not 01:01.
+
+    Returns:
+        The installed Celery's behaviour.
+
+    """
+    at = datetime(2024, 5, 1, 1, 0, tzinfo=UTC)
+    start, delta = _probe_delta(crontab(), at, at + timedelta(days=2), UTC)
+    return bool(start + delta == at + timedelta(minutes=1))
+
+
+class CrontabSlots:
+    """A crontab's slots computed as Celery 5.7 computes them, on any Celery 5.3+.
+
+    It offers what :func:`celery_nats_leader.beat.ticks.next_slot` uses of a
+    schedule (``nowfun``, ``now()``, ``remaining_estimate()``): the crontab's
+    ``remaining_delta()`` is asked in the crontab's timezone (:meth:`frame`), with ``now``
+    frozen at ``last_run_at`` (before 5.7 ``now`` only decides whether the
+    rest of ``last_run_at``'s hour counts), and the slot is
+    ``last_run_at + delta`` in the crontab's timezone, converted to UTC.
+
+    Args:
+        cron: The crontab (or a subclass, e.g. django-celery-beat's
+            ``TzAwareCrontab``).
+
+    """
+
+    def __init__(self, cron: Any) -> None:
+        self.cron = cron
+        self.nowfun: Callable[[], datetime] | None = None
+
+    def now(self) -> datetime:
+        """The current time as the crontab sees it (or as ``nowfun`` says)."""
+        moment: datetime = (self.nowfun or self.cron.now)()
+        return moment
+
+    def frame(self) -> Any:
+        """The timezone the crontab's fields are matched in.
+
+        The zone of the crontab's own clock: ``app.now()`` is in the app's
+        timezone, django-celery-beat's ``TzAwareCrontab`` reads its row's
+        zone. (Celery 5.7 takes ``crontab.tz``; before, a crontab unpickled
+        from beat's shelve is bound to the current app, not beat's, so its
+        ``tz`` cannot be trusted.)
+        """
+        zone = self.cron.now().tzinfo
+        return zone if zone is not None else self.cron.tz
+
+    def remaining_estimate(self, last_run_at: datetime) -> timedelta:
+        """Time from ``now()`` to the first slot after ``last_run_at``.
+
+        Args:
+            last_run_at: The previous slot.
+
+        Returns:
+            The remaining time (negative when the slot is past).
+
+        """
+        cron = self.cron
+        last: datetime = cron.maybe_make_aware(last_run_at).astimezone(self.frame())
+        now = self.now()
+        saved = cron.nowfun
+        cron.nowfun = lambda: last
+        try:
+            _, delta, _ = cron.remaining_delta(last)
+        finally:
+            cron.nowfun = saved
+        end: datetime = last + delta
+        # In UTC: arithmetic between datetimes of one zone is wall-clock time.
+        current: datetime = cron.maybe_make_aware(now)
+        return end.astimezone(UTC) - current.astimezone(UTC)
+
+
+def slot_schedule(schedule: Any) -> Any:
+    """The object whose ``remaining_estimate()`` gives ``schedule``'s slots.
+
+    ``schedule`` itself, except a crontab on a Celery whose crontab computes
+    in the caller's frame or skips the rest of an old hour (before 5.7):
+    then a :class:`CrontabSlots` around it.
+
+    Args:
+        schedule: An entry's schedule.
+
+    Returns:
+        ``schedule`` or its :class:`CrontabSlots`.
+
+    """
+    if isinstance(schedule, crontab) and not (
+        crontab_uses_its_timezone() and crontab_catches_up_across_days()
+    ):
+        return CrontabSlots(schedule)
+    return schedule
+
+
+def beat_nodename() -> str:
+    """The node name beat reports (``celery.beat.beat_nodename()`` where it exists).
+
+    Returns:
+        Celery 5.7's ``beat_nodename()``, or ``celerybeat@<host>`` as before.
+
+    """
+    import celery.beat
+
+    nodename = getattr(celery.beat, "beat_nodename", None)
+    if callable(nodename):
+        return str(nodename())
+    return f"celerybeat@{socket.gethostname()}"
