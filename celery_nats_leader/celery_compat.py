@@ -13,7 +13,20 @@ keep one code path each.
   missed minutes of an old day are jumped over). :func:`slot_schedule`
   gives such a crontab Celery 5.7's arithmetic, so the slots the scheduler
   dispatches are the same on every supported Celery.
+* :func:`crontab_deadline_counts_the_due_slot` / :func:`deadline_left_to_the_slots`:
+  before Celery 5.7, with ``beat_cron_starting_deadline`` set, a crontab
+  slot missed past the deadline makes ``crontab.is_due()`` refuse the next
+  slot too, when it comes (03:00 is refused at 03:00 after 02:00 was
+  missed). The beat scheduler applies the deadline to the slots itself, so
+  on such a Celery it asks ``is_due()`` without it.
 * :func:`beat_nodename`: ``celery.beat.beat_nodename`` exists from 5.7 on.
+* :func:`immediate_acks`: before Celery 5.7 a worker without an event loop
+  (the solo and threads pools, transports without async support) defers
+  every ack to the top of its next loop iteration, after a
+  ``drain_events(timeout=2.0)``: with a prefetch of one, tasks start about
+  two seconds apart, and acks still pending at a warm shutdown are dropped
+  (the messages are delivered again). Celery 5.7's ``call_soon_ack`` sends
+  them at once; the same is done here for older consumers.
 
 This module imports Celery: only the Celery integration (``beat``,
 ``worker``) imports it, never the core.
@@ -21,24 +34,32 @@ This module imports Celery: only the Celery integration (``beat``,
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 from zoneinfo import ZoneInfo
 
+from celery import Celery
 from celery.schedules import crontab
 
 __all__ = [
     "CrontabSlots",
     "beat_nodename",
     "crontab_catches_up_across_days",
+    "crontab_deadline_counts_the_due_slot",
     "crontab_uses_its_timezone",
+    "deadline_left_to_the_slots",
+    "immediate_acks",
     "slot_schedule",
 ]
 
 UTC = timezone.utc
+
+logger = logging.getLogger(__name__)
 
 
 def _probe_delta(cron: Any, last_run_at: datetime, now: datetime, tz: Any) -> tuple[datetime, Any]:
@@ -85,6 +106,59 @@ def crontab_catches_up_across_days() -> bool:
     at = datetime(2024, 5, 1, 1, 0, tzinfo=UTC)
     start, delta = _probe_delta(crontab(), at, at + timedelta(days=2), UTC)
     return bool(start + delta == at + timedelta(minutes=1))
+
+
+@functools.cache
+def crontab_deadline_counts_the_due_slot() -> bool:
+    """Whether ``crontab.is_due()`` runs a slot that is due now after an earlier one was missed.
+
+    With ``beat_cron_starting_deadline`` set: true from Celery 5.7 on (any
+    slot within the deadline counts); before, the slot missed is measured,
+    so the one due now is refused as well.
+
+    Returns:
+        The installed Celery's behaviour.
+
+    """
+    app = Celery("nats-leader-probe", set_as_current=False)
+    app.conf.beat_cron_starting_deadline = 120
+    app.conf.timezone = "UTC"
+    three = datetime(2024, 3, 4, 3, 0, tzinfo=UTC)
+    hourly = crontab(minute=0, app=app, nowfun=lambda: three)
+    # Last run 01:00, 02:00 missed (an hour old), 03:00 due right now.
+    return bool(hourly.is_due(three - timedelta(hours=2))[0])
+
+
+@contextlib.contextmanager
+def deadline_left_to_the_slots(schedule: Any) -> Iterator[None]:
+    """Ask Celery's own ``crontab.is_due()`` without ``beat_cron_starting_deadline`` inside.
+
+    Only on a Celery whose crontab refuses the slot due now after a missed
+    one (see :func:`crontab_deadline_counts_the_due_slot`), and only for a
+    schedule whose ``is_due()`` is Celery's crontab's: the caller applies
+    the deadline to the slots (the beat scheduler does, as Celery 5.7).
+
+    Args:
+        schedule: An entry's schedule.
+
+    """
+    if (
+        not isinstance(schedule, crontab)
+        or type(schedule).is_due is not crontab.is_due
+        or crontab_deadline_counts_the_due_slot()
+    ):
+        yield
+        return
+    conf = schedule.app.conf
+    deadline = conf.beat_cron_starting_deadline
+    if deadline is None:
+        yield
+        return
+    conf.beat_cron_starting_deadline = None
+    try:
+        yield
+    finally:
+        conf.beat_cron_starting_deadline = deadline
 
 
 class CrontabSlots:
@@ -183,3 +257,45 @@ def beat_nodename() -> str:
     if callable(nodename):
         return str(nodename())
     return f"celerybeat@{socket.gethostname()}"
+
+
+def immediate_acks(consumer: Any) -> bool:
+    """Make ``consumer`` send acks and rejects at once, as Celery 5.7's ``call_soon_ack``.
+
+    Call from a consumer bootstep's ``start()``: the task handler, created
+    later by the consumer's loop, takes its ack callback from
+    ``call_soon`` at creation; only for that moment ``call_soon`` is the
+    immediate one, so remote-control commands and the leader-queue changes
+    keep running on the consumer's thread.
+
+    Args:
+        consumer: A Celery worker consumer.
+
+    Returns:
+        Whether the consumer was changed (``False`` where Celery has
+        ``call_soon_ack``, or when already changed).
+
+    """
+    if hasattr(consumer, "call_soon_ack") or "create_task_handler" in vars(consumer):
+        return False
+    create = type(consumer).create_task_handler
+
+    def call_soon_ack(p: Any, *args: Any, **kwargs: Any) -> Any:
+        # As Celery 5.7: the event loop (hub) runs it soon, else it runs now.
+        if consumer.hub:
+            return consumer.hub.call_soon(p, *args, **kwargs)
+        try:
+            p(*args, **kwargs)
+        except Exception:
+            logger.exception("nats-leader: ack callback failed")
+        return p
+
+    def create_task_handler(*args: Any, **kwargs: Any) -> Any:
+        consumer.call_soon = call_soon_ack
+        try:
+            return create(consumer, *args, **kwargs)
+        finally:
+            del consumer.call_soon
+
+    consumer.create_task_handler = create_task_handler
+    return True

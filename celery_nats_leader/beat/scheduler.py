@@ -42,7 +42,11 @@ from celery_nats_leader.beat.fence import (
 from celery_nats_leader.beat.metrics import TickMetrics
 from celery_nats_leader.beat.state import EntryState
 from celery_nats_leader.beat.ticks import TickPlan, TickPlanner, slot_text, tick_task_id, to_utc
-from celery_nats_leader.celery_compat import beat_nodename, slot_schedule
+from celery_nats_leader.celery_compat import (
+    beat_nodename,
+    deadline_left_to_the_slots,
+    slot_schedule,
+)
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import (
@@ -487,7 +491,9 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         max_interval = float(self.max_interval)
         self.prepare_entry(entry, state)
         try:
-            due, next_check = self.is_due(entry)
+            # Before Celery 5.7 the crontab's own deadline check refuses a due slot.
+            with deadline_left_to_the_slots(entry.schedule):
+                due, next_check = self.is_due(entry)
         except Exception:
             # As Celery: one entry that cannot be calculated must not stop the others.
             logger.exception(

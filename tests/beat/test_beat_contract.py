@@ -31,11 +31,18 @@ from celery.beat import PersistentScheduler
 from celery.schedules import crontab, schedstate, schedule, solar
 
 from celery_nats_leader.beat import LeaderScheduler
+from celery_nats_leader.celery_compat import (
+    crontab_catches_up_across_days,
+    crontab_deadline_counts_the_due_slot,
+    crontab_uses_its_timezone,
+)
 from celery_nats_leader.testing import NatsServer
 
 pytestmark = [pytest.mark.integration]
 
 UTC = timezone.utc
+#: Whether the installed Celery's crontab computes as Celery 5.7's.
+CELERY_57_CRONTAB = crontab_uses_its_timezone() and crontab_catches_up_across_days()
 #: A Monday.
 T0 = datetime(2024, 3, 4, 0, 0, 0, tzinfo=UTC)
 
@@ -368,6 +375,9 @@ def test_crontab_and_solar_across_a_dst_change(
             "hourly": entry(ManualCron(minute=15, nowfun=now)),
             "sunset": entry(ManualSolar("sunset", 48.85, 2.35, nowfun=now)),
         },
+        # As in `celery beat`: the app is the current app, so the crontabs
+        # back from the shelve are in its timezone.
+        current=True,
         timezone="Europe/Paris",
         nats_leader_beat_max_catch_up=0,
     )
@@ -376,7 +386,66 @@ def test_crontab_and_solar_across_a_dst_change(
     for name in ("night", "hourly", "sunset"):
         oracle, ours = pair.oracle.run.times(name), pair.ours.run.times(name)
         assert oracle, name
+        if name != "sunset":
+            # Celery 5.7's slots, by brute force: Celery's own scheduler gives
+            # them where its crontab computes as 5.7's; Celery 5.3-5.6's is
+            # off around the change (wall-clock arithmetic), the leader
+            # scheduler is not.
+            fields = {"night": (30, 2), "hourly": (15, None)}[name]
+            # (Not the last hour: where the run stops is the harness's business.)
+            until = start + timedelta(days=3, hours=-1)
+            expected = [start, *cron_slots_57(*fields, start, until)]
+            ours = [t for t in ours if t <= until]
+            oracle = [t for t in oracle if t <= until]
+            if CELERY_57_CRONTAB:
+                assert_same_times(oracle, expected)
+            oracle = expected
+        elif not CELERY_57_CRONTAB:
+            # Celery 5.3-5.6's own scheduler sends some sunsets late here; the
+            # leader scheduler sends each at the sunset ephem computes, as 5.7.
+            until = start + timedelta(days=3, hours=-1)
+            ours = [t for t in ours if t <= until]
+            oracle = [start, *sunsets(48.85, 2.35, start, until)]
         assert_same_times(ours, oracle)
+
+
+def sunsets(lat: float, lon: float, start: datetime, end: datetime) -> list[datetime]:
+    """The sunsets in (start, end], as Celery's ``solar("sunset")`` computes them."""
+    import ephem
+
+    observer = ephem.Observer()
+    observer.lat, observer.lon = str(lat), str(lon)
+    observer.horizon, observer.pressure = "-0:34", 0
+    observer.date = start.astimezone(UTC).replace(tzinfo=None)
+    found = []
+    while True:
+        at = observer.next_setting(ephem.Sun(), use_center=False)
+        moment = ephem.Date(at).datetime().replace(tzinfo=UTC)
+        if moment > end:
+            return found
+        found.append(moment)
+        observer.date = at + ephem.minute
+
+
+def cron_slots_57(minute: int, hour: int | None, start: datetime, end: datetime) -> list[datetime]:
+    """A Paris crontab's slots in (start, end] as Celery 5.7 gives them, by brute force.
+
+    Every matching wall-clock time in Paris, taken at its first occurrence
+    (``fold=0``): a repeated time runs once, a time that does not exist runs
+    at the same wall time with the offset before the change (02:30 on the
+    spring-forward day is 03:30 CEST).
+    """
+    paris = ZoneInfo("Europe/Paris")
+    found = set()
+    day = start.astimezone(paris).date() - timedelta(days=1)
+    while day <= end.astimezone(paris).date():
+        for h in range(24) if hour is None else [hour]:
+            wall = datetime(day.year, day.month, day.day, h, minute, tzinfo=paris)
+            slot = wall.astimezone(UTC)
+            if start < slot <= end:
+                found.add(slot)
+        day += timedelta(days=1)
+    return sorted(found)
 
 
 # -------------------------------------------------------------- catch-up
@@ -444,5 +513,10 @@ def test_beat_cron_starting_deadline(make_pair: Callable[..., Pair]) -> None:
     CLOCK.advance(3900)
     pair.run_for(3600)
     oracle, ours = pair.oracle.run.times("hourly"), pair.ours.run.times("hourly")
-    assert_same_times(ours, oracle)
+    if crontab_deadline_counts_the_due_slot():
+        assert_same_times(ours, oracle)
+    else:
+        # Celery 5.3-5.6's own crontab also refuses 03:00 (it measures the
+        # deadline from the missed 02:00); the leader scheduler runs it, as 5.7.
+        assert [at.hour for at in oracle] == [1], oracle
     assert [at.hour for at in ours] == [1, 3], ours

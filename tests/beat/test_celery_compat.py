@@ -8,6 +8,7 @@ installed ``crontab`` itself does, so a probe that lies fails here.
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -99,3 +100,46 @@ def test_beat_nodename_is_celerys_where_it_has_one() -> None:
         assert name == celery.beat.beat_nodename()
     else:
         assert name.startswith("celerybeat@")
+
+
+class OldConsumer:
+    """What immediate_acks() uses of a Celery 5.3-5.6 worker consumer (no event loop)."""
+
+    hub = None
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []
+
+    def call_soon(self, p: Any, *args: Any) -> Any:
+        self.pending.append((p, args))  # run at the top of the next loop iteration
+        return p
+
+    def create_task_handler(self) -> Any:
+        call_soon = self.call_soon  # taken once, as Celery's task handler does
+        return call_soon
+
+
+class NewConsumer(OldConsumer):
+    def call_soon_ack(self, p: Any, *args: Any) -> Any:
+        return p(*args)
+
+
+def test_acks_are_sent_at_once_other_callbacks_stay_on_the_loop() -> None:
+    consumer = OldConsumer()
+    assert celery_compat.immediate_acks(consumer)
+    assert not celery_compat.immediate_acks(consumer)  # a restarted consumer: once
+    handler = consumer.create_task_handler()
+    acked: list[str] = []
+    handler(lambda: acked.append("ack"))
+    assert acked == ["ack"]
+    assert consumer.pending == []
+    # Everything else still waits for the consumer's loop (its thread).
+    consumer.call_soon(lambda: acked.append("reconcile"))
+    assert acked == ["ack"]
+    assert len(consumer.pending) == 1
+
+
+def test_a_celery_with_call_soon_ack_is_left_alone() -> None:
+    consumer = NewConsumer()
+    assert not celery_compat.immediate_acks(consumer)
+    assert "create_task_handler" not in vars(consumer)
