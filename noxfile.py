@@ -68,6 +68,14 @@ TIERS: dict[str, list[str]] = {
 }
 DEFAULT_TIERS = ["unit", "celery", "beat", "django"]
 COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped)")
+SUMMARY = re.compile(r"\d+ (passed|failed|errors?|skipped).* in [\d.]+s")
+
+
+def _summary(log: Path) -> str:
+    """The counts of pytest's closing line ("3 failed, 70 passed in 514.05s")."""
+    closing = [line for line in log.read_text().splitlines() if SUMMARY.search(line)]
+    counts = COUNT.findall(closing[-1]) if closing else []
+    return ", ".join(f"{n} {w}" for n, w in counts)
 
 
 def _pyenv_on_path() -> None:
@@ -135,8 +143,7 @@ def tests(session: nox.Session, deps: str) -> None:
                     stderr=subprocess.STDOUT,
                     check=False,
                 ).returncode
-            counts = COUNT.findall(log.read_text()[-3000:])
-            summary = ", ".join(f"{n} {w}" for n, w in counts) or f"exit {code}"
+            summary = _summary(log) or f"exit {code}"
             result = {
                 "python": session.python,
                 "deps": deps,
@@ -166,6 +173,9 @@ def table(session: nox.Session) -> None:
     for line in RESULTS.read_text().splitlines():
         result = json.loads(line)
         row = (result["python"], result["deps"], result["server"])
+        log = LOGS / f"{row[0]}-{row[1]}-{row[2]}-{result['tier']}.log"
+        if log.exists():  # (a log is the latest run's)
+            result["summary"] = _summary(log) or result["summary"]
         cell = f"{'✅' if result['ok'] else '❌'} {result['summary']} ({result['seconds']} s)"
         latest.setdefault(row, {"versions": result["versions"]})[result["tier"]] = cell
         if result["tier"] not in tiers:
