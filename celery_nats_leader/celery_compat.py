@@ -19,6 +19,12 @@ keep one code path each.
   slot too, when it comes (03:00 is refused at 03:00 after 02:00 was
   missed). The beat scheduler applies the deadline to the slots itself, so
   on such a Celery it asks ``is_due()`` without it.
+* :func:`hub_wakes_on_call_soon`: before kombu 5.7 the worker's event loop
+  (the hub) does not wake when another thread calls ``hub.call_soon()``:
+  the callback waits for the poller's next timeout, seconds later. Acks of
+  the threads pool and the leader-queue change after a promotion (asked
+  from the elector's thread) come that late; kombu 5.7's hub has a waker
+  socket, the same is added here to older hubs.
 * :func:`beat_nodename`: ``celery.beat.beat_nodename`` exists from 5.7 on.
 * :func:`immediate_acks`: before Celery 5.7 a worker without an event loop
   (the solo and threads pools, transports without async support) defers
@@ -38,6 +44,7 @@ import contextlib
 import functools
 import logging
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -53,6 +60,7 @@ __all__ = [
     "crontab_deadline_counts_the_due_slot",
     "crontab_uses_its_timezone",
     "deadline_left_to_the_slots",
+    "hub_wakes_on_call_soon",
     "immediate_acks",
     "slot_schedule",
 ]
@@ -298,4 +306,55 @@ def immediate_acks(consumer: Any) -> bool:
             del consumer.call_soon
 
     consumer.create_task_handler = create_task_handler
+    return True
+
+
+class _HubWaker:
+    """A socket pair whose read end is in the hub's poller: a byte written wakes it."""
+
+    def __init__(self, hub: Any) -> None:
+        self.reader, self.writer = socket.socketpair()
+        self.reader.setblocking(False)
+        self.writer.setblocking(False)
+        self.loop_thread = threading.get_ident()
+        self.original = hub.call_soon
+
+    def drain(self) -> None:
+        with contextlib.suppress(OSError):
+            self.reader.recv(4096)
+
+    def call_soon(self, callback: Any, *args: Any) -> Any:
+        handle = self.original(callback, *args)
+        if threading.get_ident() != self.loop_thread:
+            # Full buffer: a wake-up is pending already.
+            with contextlib.suppress(OSError):
+                self.writer.send(b"\0")
+        return handle
+
+
+def hub_wakes_on_call_soon(hub: Any) -> bool:
+    """Make ``hub.call_soon()`` from another thread wake the hub's poller, as kombu 5.7's.
+
+    Call on the hub's thread (a consumer bootstep's ``start()``), after each
+    (re)start: a hub reset unregisters every reader, so the waker is
+    registered again.
+
+    Args:
+        hub: The worker's kombu hub, or ``None`` (no event loop).
+
+    Returns:
+        Whether a waker is in place (``False`` where kombu has its own, or
+        without a hub).
+
+    """
+    if hub is None or hasattr(hub, "_create_waker"):
+        return False
+    waker: _HubWaker | None = getattr(hub, "_nats_leader_waker", None)
+    if waker is None:
+        waker = _HubWaker(hub)
+        hub._nats_leader_waker = waker
+        hub.call_soon = waker.call_soon
+    waker.loop_thread = threading.get_ident()
+    hub.remove_reader(waker.reader.fileno())
+    hub.add_reader(waker.reader.fileno(), waker.drain)
     return True

@@ -7,6 +7,9 @@ installed ``crontab`` itself does, so a probe that lies fails here.
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -143,3 +146,42 @@ def test_a_celery_with_call_soon_ack_is_left_alone() -> None:
     consumer = NewConsumer()
     assert not celery_compat.immediate_acks(consumer)
     assert "create_task_handler" not in vars(consumer)
+
+
+def test_call_soon_from_another_thread_wakes_the_event_loop() -> None:
+    from kombu.asynchronous import Hub
+
+    hub = Hub()
+    hub.call_later(30.0, lambda: None)  # the poller may sleep for seconds
+    # A quiet connection to poll (as the broker's): the loop blocks in poll().
+    quiet, other_end = socket.socketpair()
+    hub.add_reader(quiet.fileno(), lambda: None)
+    ready, stop, ran = threading.Event(), threading.Event(), threading.Event()
+
+    def loop() -> None:
+        celery_compat.hub_wakes_on_call_soon(hub)  # on the loop's thread
+        steps = hub.create_loop()
+        ready.set()
+        while not stop.is_set():
+            next(steps)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    assert ready.wait(5)
+    time.sleep(0.2)  # let the loop block in its poll
+    asked = time.monotonic()
+    hub.call_soon(ran.set)
+    assert ran.wait(5)
+    latency = time.monotonic() - asked
+    stop.set()
+    hub.call_soon(lambda: None)
+    thread.join(5)
+    hub.close()
+    quiet.close()
+    other_end.close()
+    waker = getattr(hub, "_nats_leader_waker", None)
+    if waker is not None:
+        waker.reader.close()
+        waker.writer.close()
+    # Without a wake-up the callback waits for the poll's timeout (1-10 s).
+    assert latency < 0.5, latency
