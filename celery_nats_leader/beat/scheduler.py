@@ -17,7 +17,6 @@ import logging
 import math
 import multiprocessing
 import signal
-import socket
 import threading
 import traceback
 from collections.abc import Callable, Iterator
@@ -47,6 +46,11 @@ from celery_nats_leader.beat.fence import (
 from celery_nats_leader.beat.metrics import TickMetrics
 from celery_nats_leader.beat.state import EntryState
 from celery_nats_leader.beat.ticks import TickPlan, TickPlanner, slot_text, tick_task_id, to_utc
+from celery_nats_leader.celery_compat import (
+    beat_nodename,
+    deadline_left_to_the_slots,
+    slot_schedule,
+)
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import (
@@ -71,16 +75,6 @@ else:
 __all__ = ["LeaderScheduler", "LeaderSchedulerMixin"]
 
 logger = logging.getLogger(__name__)
-
-
-def _beat_nodename() -> str:
-    # celery.beat.beat_nodename exists from Celery 5.7 on.
-    import celery.beat
-
-    nodename = getattr(celery.beat, "beat_nodename", None)
-    if callable(nodename):
-        return str(nodename())
-    return f"celerybeat@{socket.gethostname()}"
 
 
 @contextlib.contextmanager
@@ -430,7 +424,7 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         cls = type(self)
         meta = {
             **config.meta,
-            "worker": _beat_nodename(),
+            "worker": beat_nodename(),
             # What tells a beat replica that the role's holder is a scheduler.
             SCHEDULER_META_KEY: f"{cls.__module__}.{cls.__qualname__}",
         }
@@ -529,7 +523,9 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         max_interval = float(self.max_interval)
         self.prepare_entry(entry, state)
         try:
-            due, next_check = self.is_due(entry)
+            # Before Celery 5.7 the crontab's own deadline check refuses a due slot.
+            with deadline_left_to_the_slots(entry.schedule):
+                due, next_check = self.is_due(entry)
         except Exception:
             # As Celery: one entry that cannot be calculated must not stop the
             # others; logged as Celery logs it, on the celery.beat logger.
@@ -554,6 +550,13 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             return max_interval
         if plan is not None and plan.due and plan.slot is not None:
             return _Due(plan.slot, name, entry, state, plan.skipped)
+        if plan is not None and plan.slot is not None and self.catches_up(entry.schedule):
+            # Celery's own is_due() said due, its slots say not yet: the slots
+            # decide (before Celery 5.7 crontab.is_due() computes in wall-clock
+            # time, an hour off across a DST change), so no extra tick.
+            wait = min(plan.wait, max_interval)
+            self.nats_leader_agenda.hold(name, entry, state.revision, now_ts + wait)
+            return wait
         # Due by is_due() although no slot of the schedule is (a custom
         # is_due(), a clocked time before the entry's anchor): the tick is
         # identified by the time it was found due, as Celery's last_run_at.
@@ -594,8 +597,14 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         # ticks it refused are not caught up later (Celery's behaviour).
         limit = None if self.catches_up(schedule) else 0
         try:
+            # Before Celery 5.7 a crontab needs help to give 5.7's slots.
             return self.nats_leader_planner.plan(
-                name, schedule, state.slot, now, not_before=not_before, max_catch_up=limit
+                name,
+                slot_schedule(schedule),
+                state.slot,
+                now,
+                not_before=not_before,
+                max_catch_up=limit,
             )
         except NotImplementedError:
             # A custom schedule with is_due() only: its ticks have no slots.

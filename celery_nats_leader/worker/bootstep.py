@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 from celery import bootsteps
 
+from celery_nats_leader.celery_compat import hub_wakes_on_call_soon, immediate_acks
 from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.worker.service import LeaderService
@@ -130,6 +131,10 @@ class LeaderQueues(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is 
         """Hand the (re)started consumer to the service."""
         service = getattr(c.controller, "nats_leader", None)
         if service is not None:
+            # Before Celery/kombu 5.7, acks and the leader-queue change wait
+            # for the event loop's next timeout (seconds).
+            immediate_acks(c)
+            hub_wakes_on_call_soon(getattr(c, "hub", None))
             service.queues.attach(c)
 
     def stop(self, c: Any) -> None:

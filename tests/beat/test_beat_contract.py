@@ -21,9 +21,10 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from celery import Celery, _state
@@ -31,11 +32,18 @@ from celery.beat import PersistentScheduler
 from celery.schedules import crontab, schedstate, schedule, solar
 
 from celery_nats_leader.beat import LeaderScheduler
+from celery_nats_leader.celery_compat import (
+    crontab_catches_up_across_days,
+    crontab_deadline_counts_the_due_slot,
+    crontab_uses_its_timezone,
+)
 from celery_nats_leader.testing import NatsServer
 
 pytestmark = [pytest.mark.integration]
 
 UTC = timezone.utc
+#: Whether the installed Celery's crontab computes as Celery 5.7's.
+CELERY_57_CRONTAB = crontab_uses_its_timezone() and crontab_catches_up_across_days()
 #: A Monday.
 T0 = datetime(2024, 3, 4, 0, 0, 0, tzinfo=UTC)
 
@@ -45,11 +53,14 @@ class Clock:
 
     def __init__(self) -> None:
         self.now = T0
+        #: As ``app.now()``: the time in the app's timezone (Celery before 5.7
+        #: matches a crontab's fields in the frame of the time it is given).
+        self.zone: tzinfo = UTC
         self._lock = threading.Lock()
 
     def __call__(self) -> datetime:
         with self._lock:
-            return self.now
+            return self.now.astimezone(self.zone)
 
     def advance(self, seconds: float) -> None:
         with self._lock:
@@ -83,7 +94,20 @@ class WeekdaysEvery(schedule):  # type: ignore[misc]
         return super().is_due(last_run_at)
 
 
-class WeekdaysCron(crontab):  # type: ignore[misc]
+class ManualCron(crontab):  # type: ignore[misc]
+    """Celery's crontab, keeping its ``nowfun`` through any number of shelve round trips.
+
+    (Before Celery 5.7 an unpickled crontab forgets its keyword arguments, so
+    the second round trip drops ``nowfun`` and the schedule reads the real
+    clock.)
+    """
+
+    def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state)
+        self._orig_kwargs = dict(state)
+
+
+class WeekdaysCron(ManualCron):
     """A crontab that does not run on weekends (``is_due`` decides)."""
 
     def is_due(self, last_run_at: datetime) -> Any:
@@ -219,6 +243,7 @@ def make_pair(server: NatsServer, tmp_path: Path) -> Iterator[Callable[..., Pair
         deadline, only reach Celery's scheduler through the current app.)
         """
         CLOCK.now = T0
+        CLOCK.zone = ZoneInfo(conf.get("timezone", "UTC"))
         schedulers = []
         for kind, cls in (("oracle", OracleScheduler), ("ours", LeaderUnderTest)):
             app = Celery(f"contract-{kind}", set_as_current=current)
@@ -347,10 +372,13 @@ def test_crontab_and_solar_across_a_dst_change(
     pair = make_pair(
         {
             # 02:30 does not exist on the spring day and exists twice in autumn.
-            "night": entry(crontab(minute=30, hour=2, nowfun=now)),
-            "hourly": entry(crontab(minute=15, nowfun=now)),
+            "night": entry(ManualCron(minute=30, hour=2, nowfun=now)),
+            "hourly": entry(ManualCron(minute=15, nowfun=now)),
             "sunset": entry(ManualSolar("sunset", 48.85, 2.35, nowfun=now)),
         },
+        # As in `celery beat`: the app is the current app, so the crontabs
+        # back from the shelve are in its timezone.
+        current=True,
         timezone="Europe/Paris",
         nats_leader_beat_max_catch_up=0,
     )
@@ -359,7 +387,66 @@ def test_crontab_and_solar_across_a_dst_change(
     for name in ("night", "hourly", "sunset"):
         oracle, ours = pair.oracle.run.times(name), pair.ours.run.times(name)
         assert oracle, name
+        if name != "sunset":
+            # Celery 5.7's slots, by brute force: Celery's own scheduler gives
+            # them where its crontab computes as 5.7's; Celery 5.3-5.6's is
+            # off around the change (wall-clock arithmetic), the leader
+            # scheduler is not.
+            fields = {"night": (30, 2), "hourly": (15, None)}[name]
+            # (Not the last hour: where the run stops is the harness's business.)
+            until = start + timedelta(days=3, hours=-1)
+            expected = [start, *cron_slots_57(*fields, start, until)]
+            ours = [t for t in ours if t <= until]
+            oracle = [t for t in oracle if t <= until]
+            if CELERY_57_CRONTAB:
+                assert_same_times(oracle, expected)
+            oracle = expected
+        elif not CELERY_57_CRONTAB:
+            # Celery 5.3-5.6's own scheduler sends some sunsets late here; the
+            # leader scheduler sends each at the sunset ephem computes, as 5.7.
+            until = start + timedelta(days=3, hours=-1)
+            ours = [t for t in ours if t <= until]
+            oracle = [start, *sunsets(48.85, 2.35, start, until)]
         assert_same_times(ours, oracle)
+
+
+def sunsets(lat: float, lon: float, start: datetime, end: datetime) -> list[datetime]:
+    """The sunsets in (start, end], as Celery's ``solar("sunset")`` computes them."""
+    import ephem
+
+    observer = ephem.Observer()
+    observer.lat, observer.lon = str(lat), str(lon)
+    observer.horizon, observer.pressure = "-0:34", 0
+    observer.date = start.astimezone(UTC).replace(tzinfo=None)
+    found = []
+    while True:
+        at = observer.next_setting(ephem.Sun(), use_center=False)
+        moment = ephem.Date(at).datetime().replace(tzinfo=UTC)
+        if moment > end:
+            return found
+        found.append(moment)
+        observer.date = at + ephem.minute
+
+
+def cron_slots_57(minute: int, hour: int | None, start: datetime, end: datetime) -> list[datetime]:
+    """A Paris crontab's slots in (start, end] as Celery 5.7 gives them, by brute force.
+
+    Every matching wall-clock time in Paris, taken at its first occurrence
+    (``fold=0``): a repeated time runs once, a time that does not exist runs
+    at the same wall time with the offset before the change (02:30 on the
+    spring-forward day is 03:30 CEST).
+    """
+    paris = ZoneInfo("Europe/Paris")
+    found = set()
+    day = start.astimezone(paris).date() - timedelta(days=1)
+    while day <= end.astimezone(paris).date():
+        for h in range(24) if hour is None else [hour]:
+            wall = datetime(day.year, day.month, day.day, h, minute, tzinfo=paris)
+            slot = wall.astimezone(UTC)
+            if start < slot <= end:
+                found.add(slot)
+        day += timedelta(days=1)
+    return sorted(found)
 
 
 # -------------------------------------------------------------- catch-up
@@ -374,7 +461,7 @@ def test_after_a_long_gap_at_most_max_catch_up_ticks_then_the_latest(
         {
             "second": entry(schedule(timedelta(seconds=1), nowfun=now)),
             "minute": entry(schedule(timedelta(minutes=1), nowfun=now)),
-            "cron": entry(crontab(nowfun=now)),
+            "cron": entry(ManualCron(nowfun=now)),
         },
         nats_leader_beat_max_catch_up=3,
     )
@@ -401,7 +488,7 @@ def test_after_a_long_gap_at_most_max_catch_up_ticks_then_the_latest(
 
 
 def test_a_few_missed_ticks_are_caught_up_one_by_one(make_pair: Callable[..., Pair]) -> None:
-    pair = make_pair({"minute": entry(crontab(nowfun=now))}, nats_leader_beat_max_catch_up=5)
+    pair = make_pair({"minute": entry(ManualCron(nowfun=now))}, nats_leader_beat_max_catch_up=5)
     pair.run_for(61)
     CLOCK.advance(4 * 60)
     drain(pair.ours)
@@ -416,7 +503,7 @@ def test_a_few_missed_ticks_are_caught_up_one_by_one(make_pair: Callable[..., Pa
 def test_beat_cron_starting_deadline(make_pair: Callable[..., Pair]) -> None:
     # Issue 10 #5: a cron slot older than the deadline is not run after a gap.
     pair = make_pair(
-        {"hourly": entry(crontab(minute=0, nowfun=now))},
+        {"hourly": entry(ManualCron(minute=0, nowfun=now))},
         current=True,
         beat_cron_starting_deadline=120,
         nats_leader_beat_max_catch_up=10,
@@ -427,7 +514,12 @@ def test_beat_cron_starting_deadline(make_pair: Callable[..., Pair]) -> None:
     CLOCK.advance(3900)
     pair.run_for(3600)
     oracle, ours = pair.oracle.run.times("hourly"), pair.ours.run.times("hourly")
-    assert_same_times(ours, oracle)
+    if crontab_deadline_counts_the_due_slot():
+        assert_same_times(ours, oracle)
+    else:
+        # Celery 5.3-5.6's own crontab also refuses 03:00 (it measures the
+        # deadline from the missed 02:00); the leader scheduler runs it, as 5.7.
+        assert [at.hour for at in oracle] == [1], oracle
     assert [at.hour for at in ours] == [1, 3], ours
 
 

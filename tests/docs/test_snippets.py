@@ -51,7 +51,10 @@ from tests.support.services import require_service
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 REDIS_URL = os.environ.get("CNL_REDIS_URL", "redis://127.0.0.1:6379/0")
-BIN = Path(sys.executable).parent
+#: The interpreter of the documented programs and commands: this one, or the one
+#: of another virtualenv (tests/docs/test_install_pinned.py: a user's pinned versions).
+PYTHON = os.environ.get("CNL_DOCS_PYTHON", sys.executable)
+BIN = Path(PYTHON).parent
 
 MARKED = re.compile(
     r"^<!-- test: (?P<spec>.*?) -->\n```(?P<lang>\w*)\n(?P<body>.*?)^```$", re.M | re.S
@@ -229,7 +232,7 @@ def test_program_runs(block: Block, nats_server: NatsServer, tmp_path: Path) -> 
     script = tmp_path / "snippet.py"
     script.write_text(block.body)
     done = subprocess.run(
-        [sys.executable, str(script)],
+        [PYTHON, str(script)],
         cwd=tmp_path,
         env=_env(nats_server, tmp_path),
         capture_output=True,
@@ -249,7 +252,7 @@ async def test_program_releases_its_role_on_sigterm(
 ) -> None:
     script = tmp_path / "snippet.py"
     script.write_text(block.body)
-    out = _start([sys.executable, str(script)], tmp_path, _env(nats_server, tmp_path), block.where)
+    out = _start([PYTHON, str(script)], tmp_path, _env(nats_server, tmp_path), block.where)
     try:
         out.wait_for(block.attrs["expect"], timeout=30)
         assert await _live_keys(nats_server.url), "leading, yet no key in the bucket"
@@ -337,7 +340,7 @@ def test_scenario(scenario: str, nats_server: NatsServer, tmp_path: Path) -> Non
                     )
             else:
                 done = subprocess.run(
-                    [sys.executable, "-c", block.body], cwd=project, env=env,
+                    [PYTHON, "-c", block.body], cwd=project, env=env,
                     capture_output=True, text=True, timeout=60, check=False,
                 )  # fmt: skip
                 assert done.returncode == 0, f"{block.where}\n{done.stdout}\n{done.stderr}"

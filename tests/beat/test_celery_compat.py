@@ -1,0 +1,187 @@
+"""The Celery compatibility layer: each branch gives Celery 5.7's slots on the installed Celery.
+
+Both branches run on every Celery: :class:`CrontabSlots` (what 5.3-5.6 get)
+is asked directly, and the probes' answers are checked against what the
+installed ``crontab`` itself does, so a probe that lies fails here.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.schedules import crontab
+
+from celery_nats_leader import celery_compat
+from celery_nats_leader.beat.ticks import next_slot
+from celery_nats_leader.celery_compat import CrontabSlots, slot_schedule
+
+UTC = timezone.utc
+
+
+def paris_app() -> Celery:
+    app = Celery("compat", set_as_current=False)
+    app.conf.timezone = "Europe/Paris"
+    return app
+
+
+def test_crontab_slots_in_the_app_timezone_whatever_the_branch() -> None:
+    now = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
+    for daily in (
+        CrontabSlots(crontab(minute=0, hour=4, app=paris_app())),
+        slot_schedule(crontab(minute=0, hour=4, app=paris_app())),
+    ):
+        # 04:00 in Paris (UTC+2 in May) is 02:00 UTC, on every Celery.
+        slot = next_slot(daily, datetime(2024, 5, 1, 1, 0, tzinfo=UTC), now)
+        assert slot == datetime(2024, 5, 1, 2, 0, tzinfo=UTC)
+        assert next_slot(daily, slot, now) == datetime(2024, 5, 2, 2, 0, tzinfo=UTC)
+
+
+def test_missed_minutes_of_an_old_day_are_slots_whatever_the_branch() -> None:
+    app = Celery("compat", set_as_current=False)
+    last = datetime(2024, 3, 4, 0, 1, tzinfo=UTC)
+    three_days_later = last + timedelta(days=3)
+    for minutely in (CrontabSlots(crontab(app=app)), slot_schedule(crontab(app=app))):
+        assert next_slot(minutely, last, three_days_later) == last + timedelta(minutes=1)
+
+
+@pytest.mark.parametrize(
+    ("after", "expected"),
+    [
+        # 02:30 does not exist on 31 March 2024 in Paris: 03:30 CEST (01:30 UTC).
+        pytest.param(
+            datetime(2024, 3, 30, 12, tzinfo=UTC),
+            datetime(2024, 3, 31, 1, 30, tzinfo=UTC),
+            id="spring-forward",
+        ),
+        # 02:30 exists twice on 27 October 2024: the first, 02:30 CEST (00:30 UTC).
+        pytest.param(
+            datetime(2024, 10, 26, 12, tzinfo=UTC),
+            datetime(2024, 10, 27, 0, 30, tzinfo=UTC),
+            id="fall-back",
+        ),
+    ],
+)
+def test_a_night_slot_across_a_dst_change_whatever_the_branch(
+    after: datetime, expected: datetime
+) -> None:
+    for night in (
+        CrontabSlots(crontab(minute=30, hour=2, app=paris_app())),
+        slot_schedule(crontab(minute=30, hour=2, app=paris_app())),
+    ):
+        assert next_slot(night, after, after) == expected
+
+
+def test_the_probes_tell_what_the_installed_crontab_does() -> None:
+    # A raw crontab fed a UTC time: right only where the probe says so.
+    daily = crontab(minute=0, hour=4, app=paris_app())
+    at = datetime(2024, 5, 1, 1, 0, tzinfo=UTC)
+    raw = next_slot(daily, at, at)
+    assert (
+        raw == datetime(2024, 5, 1, 2, 0, tzinfo=UTC)
+    ) is celery_compat.crontab_uses_its_timezone()
+    minutely = crontab(app=Celery("compat", set_as_current=False))
+    raw = next_slot(minutely, at, at + timedelta(days=2))
+    assert (raw == at + timedelta(minutes=1)) is celery_compat.crontab_catches_up_across_days()
+    # The adapter only where needed: on Celery 5.7 the crontab is used as it is.
+    native = (
+        celery_compat.crontab_uses_its_timezone() and celery_compat.crontab_catches_up_across_days()
+    )
+    assert isinstance(slot_schedule(daily), CrontabSlots) is not native
+
+
+def test_beat_nodename_is_celerys_where_it_has_one() -> None:
+    import celery.beat
+
+    name = celery_compat.beat_nodename()
+    if hasattr(celery.beat, "beat_nodename"):
+        assert name == celery.beat.beat_nodename()
+    else:
+        assert name.startswith("celerybeat@")
+
+
+class OldConsumer:
+    """What immediate_acks() uses of a Celery 5.3-5.6 worker consumer (no event loop)."""
+
+    hub = None
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []
+
+    def call_soon(self, p: Any, *args: Any) -> Any:
+        self.pending.append((p, args))  # run at the top of the next loop iteration
+        return p
+
+    def create_task_handler(self) -> Any:
+        call_soon = self.call_soon  # taken once, as Celery's task handler does
+        return call_soon
+
+
+class NewConsumer(OldConsumer):
+    def call_soon_ack(self, p: Any, *args: Any) -> Any:
+        return p(*args)
+
+
+def test_acks_are_sent_at_once_other_callbacks_stay_on_the_loop() -> None:
+    consumer = OldConsumer()
+    assert celery_compat.immediate_acks(consumer)
+    assert not celery_compat.immediate_acks(consumer)  # a restarted consumer: once
+    handler = consumer.create_task_handler()
+    acked: list[str] = []
+    handler(lambda: acked.append("ack"))
+    assert acked == ["ack"]
+    assert consumer.pending == []
+    # Everything else still waits for the consumer's loop (its thread).
+    consumer.call_soon(lambda: acked.append("reconcile"))
+    assert acked == ["ack"]
+    assert len(consumer.pending) == 1
+
+
+def test_a_celery_with_call_soon_ack_is_left_alone() -> None:
+    consumer = NewConsumer()
+    assert not celery_compat.immediate_acks(consumer)
+    assert "create_task_handler" not in vars(consumer)
+
+
+def test_call_soon_from_another_thread_wakes_the_event_loop() -> None:
+    from kombu.asynchronous import Hub
+
+    hub = Hub()
+    hub.call_later(30.0, lambda: None)  # the poller may sleep for seconds
+    # A quiet connection to poll (as the broker's): the loop blocks in poll().
+    quiet, other_end = socket.socketpair()
+    hub.add_reader(quiet.fileno(), lambda: None)
+    ready, stop, ran = threading.Event(), threading.Event(), threading.Event()
+
+    def loop() -> None:
+        celery_compat.hub_wakes_on_call_soon(hub)  # on the loop's thread
+        steps = hub.create_loop()
+        ready.set()
+        while not stop.is_set():
+            next(steps)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    assert ready.wait(5)
+    time.sleep(0.2)  # let the loop block in its poll
+    asked = time.monotonic()
+    hub.call_soon(ran.set)
+    assert ran.wait(5)
+    latency = time.monotonic() - asked
+    stop.set()
+    hub.call_soon(lambda: None)
+    thread.join(5)
+    hub.close()
+    quiet.close()
+    other_end.close()
+    waker = getattr(hub, "_nats_leader_waker", None)
+    if waker is not None:
+        waker.reader.close()
+        waker.writer.close()
+    # Without a wake-up the callback waits for the poll's timeout (1-10 s).
+    assert latency < 0.5, latency
