@@ -32,8 +32,9 @@ import django_nats_leader
 PACKAGE = Path(celery_nats_leader.__file__).resolve().parent
 DJANGO_APP = Path(django_nats_leader.__file__).resolve().parent
 
-#: Subpackages and modules that are not the core (they wire Celery, or help tests).
-NOT_CORE = ("worker", "beat", "testing", "cli.py")
+#: Subpackages and modules that are not the core (they wire Celery, or help tests);
+#: celery_compat.py is the Celery layer's one module of version differences.
+NOT_CORE = ("worker", "beat", "testing", "cli.py", "celery_compat.py")
 
 #: Where nats-py may be imported.
 NATS_ALLOWED = ("nats",)
