@@ -51,7 +51,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from celery import Celery
-from celery.schedules import crontab
+from celery.schedules import crontab, solar
 
 __all__ = [
     "CrontabSlots",
@@ -63,6 +63,7 @@ __all__ = [
     "hub_wakes_on_call_soon",
     "immediate_acks",
     "slot_schedule",
+    "slots_overrule_is_due",
 ]
 
 UTC = timezone.utc
@@ -250,6 +251,25 @@ def slot_schedule(schedule: Any) -> Any:
     ):
         return CrontabSlots(schedule)
     return schedule
+
+
+def slots_overrule_is_due(schedule: Any) -> bool:
+    """Whether ``schedule``'s slots decide when its ``is_due()`` says due and they do not.
+
+    True for a crontab or a solar: their ``is_due()`` before Celery 5.7
+    computes in wall-clock time, an hour off across a DST change, and would
+    send an extra tick. False for an interval, whose ``is_due()`` is the
+    authority: django-celery-beat honours a row's ``start_time`` through it
+    (the tick is due at the start time, where the interval has no slot).
+
+    Args:
+        schedule: An entry's schedule.
+
+    Returns:
+        Whether the slots decide.
+
+    """
+    return isinstance(schedule, (crontab, solar))
 
 
 def beat_nodename() -> str:

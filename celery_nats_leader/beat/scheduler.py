@@ -50,6 +50,7 @@ from celery_nats_leader.celery_compat import (
     beat_nodename,
     deadline_left_to_the_slots,
     slot_schedule,
+    slots_overrule_is_due,
 )
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.elector import Elector, RoleHandle
@@ -550,10 +551,15 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             return max_interval
         if plan is not None and plan.due and plan.slot is not None:
             return _Due(plan.slot, name, entry, state, plan.skipped)
-        if plan is not None and plan.slot is not None and self.catches_up(entry.schedule):
-            # Celery's own is_due() said due, its slots say not yet: the slots
-            # decide (before Celery 5.7 crontab.is_due() computes in wall-clock
-            # time, an hour off across a DST change), so no extra tick.
+        if (
+            plan is not None
+            and plan.slot is not None
+            and self.catches_up(entry.schedule)
+            and slots_overrule_is_due(entry.schedule)
+        ):
+            # Celery's own crontab/solar is_due() said due, its slots say not
+            # yet: the slots decide (before Celery 5.7 crontab.is_due() computes
+            # in wall-clock time, an hour off across a DST change), so no extra tick.
             wait = min(plan.wait, max_interval)
             self.nats_leader_agenda.hold(name, entry, state.revision, now_ts + wait)
             return wait
