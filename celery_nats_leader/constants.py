@@ -80,7 +80,8 @@ FOLLOWER_EXPIRY_MARGIN_SECONDS = 0.01
 DEFAULT_HEALTH_CHECK_FAILURES = 3
 
 #: Seconds a stop or a release waits for the demote callbacks (``demote_timeout``).
-#: Below the elector's 10-s stop bound, so that a stop still ends in order.
+#: Below the elector's 10-s stop bound, so that a stop still ends in order (callbacks
+#: that outlived it are not waited for again when the election is torn down).
 DEFAULT_DEMOTE_TIMEOUT_SECONDS = 5.0
 
 #: Exponential backoff for transient errors.

@@ -211,6 +211,9 @@ class BaseElection(abc.ABC):
         self._change_callbacks: list[LeaderChangeCallback] = []
         self._error_callbacks: list[ErrorCallback] = []
         self._callbacks = CallbackRunner(f"{config.role}")
+        # Demote callbacks that outlived demote_timeout: the teardown does not
+        # wait for them a second time (a stop would take twice the bound).
+        self._overdue_callbacks: asyncio.Future[None] | None = None
         # Called synchronously on the loop at every state change (leader
         # services must be told to stop at that instant, not after the
         # callbacks queued before them).
@@ -570,7 +573,10 @@ class BaseElection(abc.ABC):
         await self._flush_events()
         await self._unsubscribe_all()
         self._stop_health_watch()
-        await self._callbacks.stop(self.config.demote_timeout)
+        overdue = self._overdue_callbacks
+        # Callbacks that already outlived demote_timeout get no second wait.
+        wait = 0.0 if overdue is not None and not overdue.done() else self.config.demote_timeout
+        await self._callbacks.stop(wait)
         await self._close_own_backend()
         if self._leading is not None:
             self._leading.set()
@@ -659,6 +665,7 @@ class BaseElection(abc.ABC):
         await asyncio.wait({done}, timeout=self.config.demote_timeout)
         if done.done():
             return True
+        self._overdue_callbacks = done
         self._logger.warning(
             "%s: demote callbacks still running after %.1fs (demote_timeout); "
             "not releasing the term, it ends when its lease runs out",

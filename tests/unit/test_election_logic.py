@@ -373,7 +373,8 @@ async def test_a_hanging_demote_callback_is_waited_for_demote_timeout_only(
         await wait_until(lambda: a.election.is_leader, timeout=TTL * 4)
         started = time.monotonic()
         await asyncio.wait_for(a.election.stop(), 2)
-        assert time.monotonic() - started < 0.2 * 2 + 0.3
+        # One demote_timeout: the teardown does not wait for the overdue callbacks again.
+        assert 0.2 <= time.monotonic() - started < 0.2 * 2
     finally:
         hang.set()
 
