@@ -56,6 +56,20 @@ class BackendTimeoutError(BackendError):
     """Raised when a store operation timed out: it may or may not have been applied."""
 
 
+class EpochFloorRaceError(BackendError):
+    """Raised when raising a new bucket's epoch floor purged entries written meanwhile."""
+
+    def __init__(self, bucket: str, purged: int) -> None:
+        super().__init__(
+            f"KV bucket {bucket!r}: {purged} entries written during the migration were "
+            "purged with the epoch floor; a candidate was already using the bucket and its "
+            "term may run beside a successor's. Stop the replicas on it, delete the bucket "
+            "and migrate again before any replica uses it"
+        )
+        self.bucket = bucket
+        self.purged = purged
+
+
 class NotConnectedError(BackendError):
     """Raised when a write was refused because the connection is down.
 

@@ -44,6 +44,7 @@ from celery_nats_leader.errors import (
     BucketConfigError,
     BucketNotFoundError,
     ElectionError,
+    EpochFloorRaceError,
     JetStreamUnavailableError,
     KeyExistsError,
     NotConnectedError,
@@ -815,6 +816,9 @@ class JetStreamBackend:
             if error.get("err_code") == _STREAM_NOT_FOUND:
                 raise BucketNotFoundError(f"KV bucket {name!r} does not exist")
             raise BackendError(f"JetStream refused the purge of {name!r}: {error}")
+        purged = int(body.get("purged", 0))
+        if purged:
+            raise EpochFloorRaceError(name, purged)
         return await self.next_revision(name, timeout=timeout)
 
     @contextlib.asynccontextmanager

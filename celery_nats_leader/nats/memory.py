@@ -31,6 +31,7 @@ from celery_nats_leader.errors import (
     BackendTimeoutError,
     BucketConfigError,
     BucketNotFoundError,
+    EpochFloorRaceError,
     KeyExistsError,
     NotConnectedError,
     RevisionMismatchError,
@@ -313,10 +314,14 @@ class MemoryBackend:
             raise BucketNotFoundError(f"KV bucket {name!r} does not exist")
         if self.server.revision + 1 < revision:
             # As the server's purge up to a sequence: entries below it go.
+            purged = 0
             for key, stored in list(state.keys.items()):
                 if stored.entry.revision < revision:
                     del state.keys[key]
+                    purged += 1
             self.server.revision = revision - 1
+            if purged:
+                raise EpochFloorRaceError(name, purged)
         return self.server.revision + 1
 
     async def subscribe(self, subject: str, handler: MessageHandler) -> _MemorySubscription:

@@ -16,6 +16,7 @@ from celery_nats_leader.backend import Backend
 from celery_nats_leader.errors import (
     BucketNotFoundError,
     ConfigError,
+    EpochFloorRaceError,
     JetStreamUnavailableError,
 )
 from celery_nats_leader.nats import ConnectOptions, open_backend
@@ -98,6 +99,18 @@ async def test_migrated_bucket_continues_the_old_buckets_revisions(backend: Back
         await migrate_bucket(backend, target, source=new, timeout=5)
     with pytest.raises(ConfigError, match="reaches the ALLCALL strategy's epochs"):
         await migrate_bucket(backend, target, source=None, floor=10**12, timeout=5)
+
+
+async def test_a_floor_raised_under_a_candidates_write_says_what_it_purged(
+    backend: Backend,
+) -> None:
+    # A replica that wrote between migrate_bucket's emptiness check and the purge
+    # lost its record to the purge: the migration must not end as if it worked.
+    name = f"ops_{uuid.uuid4().hex[:8]}"
+    kv = await backend.open_bucket(name, ttl=3.0, create=True, replicas=1, timeout=5)
+    await kv.create("default", b"term", timeout=5)
+    with pytest.raises(EpochFloorRaceError, match=f"KV bucket {name!r}: 1 entries written"):
+        await backend.raise_next_revision(name, 5_000, timeout=5)
 
 
 @pytest.mark.parametrize("graceful", [True, False], ids=["restart", "kill"])
