@@ -283,25 +283,31 @@ async def fence_leader(
         accepted = False
         reason = "fenced at once, without asking it to hand over"
         asked_at = time.monotonic()
+
+        async def handed_over_by(
+            deadline: float, target: LeaderRecord = target
+        ) -> FenceOutcome | None:
+            """The hand-over, if the leader's delete shows by ``deadline``."""
+            await key.until(deadline, lambda: key.released(observed) is not None)
+            released = key.released(observed)
+            if released is None:
+                return None
+            return await _handed_over(
+                key,
+                role=role,
+                target=target,
+                released=released,
+                requester=requester,
+                asked_at=asked_at,
+                wait=wait,
+            )
+
         if handover_wait > 0:
             accepted, reason = await _ask_to_hand_over(
                 backend, bucket, role, target, requester=requester, handover_wait=handover_wait
             )
-            if accepted:
-                await key.until(
-                    asked_at + handover_wait, lambda: key.released(observed) is not None
-                )
-                released = key.released(observed)
-                if released is not None:
-                    return await _handed_over(
-                        key,
-                        role=role,
-                        target=target,
-                        released=released,
-                        requester=requester,
-                        asked_at=asked_at,
-                        wait=wait,
-                    )
+            if accepted and (outcome := await handed_over_by(asked_at + handover_wait)):
+                return outcome
         for _ in range(_ATTEMPTS):
             marker_token = str(uuid.uuid4())
             marker = encode_fence(
@@ -319,26 +325,14 @@ async def fence_leader(
                 entry = await kv.get(role, timeout=timeout)
                 current = _record(entry)
                 if entry is None or current is None or current.token != target.token:
-                    if handover_wait > 0:
-                        # It handed over after all, just later than the wait
-                        # (its answer too maybe: it checks its term before
-                        # answering, for up to its request timeout); its
-                        # delete may not have come through the watch yet (it
-                        # comes before any successor's record).
-                        await key.until(
-                            time.monotonic() + timeout, lambda: key.released(observed) is not None
-                        )
-                        released = key.released(observed)
-                        if released is not None:
-                            return await _handed_over(
-                                key,
-                                role=role,
-                                target=target,
-                                released=released,
-                                requester=requester,
-                                asked_at=asked_at,
-                                wait=wait,
-                            )
+                    # It handed over after all, just later than the wait (its
+                    # answer too maybe: it checks its term before answering, for
+                    # up to its request timeout); its delete may not have come
+                    # through the watch yet (it comes before any successor's record).
+                    if handover_wait > 0 and (
+                        outcome := await handed_over_by(time.monotonic() + timeout)
+                    ):
+                        return outcome
                     raise NotLeaderError(
                         f"the term of role {role!r} (epoch {target.epoch}) ended meanwhile; "
                         "nothing fenced"
