@@ -28,7 +28,6 @@ from django_nats_leader.fencing import (
     current_epoch,
     fenced,
 )
-from tests.django.conftest import require_postgres
 from tests.django.fenceapp.models import Write
 from tests.django.test_fencing import backends
 
@@ -53,15 +52,6 @@ def reset(alias: str, strategy: str, *args: str) -> str:
         "election_fence_reset", ROLE, "--database", alias, *args, stdout=out, stderr=StringIO()
     )
     return out.getvalue()
-
-
-@pytest.fixture
-def alias(request: pytest.FixtureRequest) -> str:
-    """The database alias of the test's parameter (PostgreSQL must be up for ``postgres``)."""
-    name: str = request.param
-    if name == "postgres":
-        require_postgres()
-    return name
 
 
 @pytest.fixture

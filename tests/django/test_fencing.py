@@ -16,7 +16,7 @@ from celery_nats_leader.errors import ElectionError, LeadershipLostError
 from celery_nats_leader.token import FencingToken
 from django_nats_leader.fencing import StaleLeaderError, current_epoch, fenced
 from django_nats_leader.models import FenceEpoch
-from tests.django.conftest import PG_PROBLEM, require_postgres
+from tests.django.conftest import PG_PROBLEM
 from tests.django.fenceapp.models import Write
 
 T = TypeVar("T")
@@ -34,14 +34,6 @@ def backends(*, transaction: bool) -> list[Any]:
         )
         params.append(pytest.param(alias, marks=marks, id=alias))
     return params
-
-
-@pytest.fixture
-def alias(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
-    if name == "postgres":
-        require_postgres()
-    return name
 
 
 def token(epoch: int, value: str | None = None) -> FencingToken:
