@@ -151,6 +151,8 @@ async def test_a_followers_conditional_delete_never_removes_a_renewal_at_the_dea
 ) -> None:
     kv = await nc.jetstream().key_value(bucket)
     record = encode_record(instance_id="old", token="t-old", epoch=None, priority=0, meta={})
+    loop = asyncio.get_running_loop()
+    sent = loop.time()  # the old leader's lease runs from its write's send time
     first = await kv.create(ROLE, record)
     transitions = _Transitions()
     # The follower's watch is blind and it reads the key only every 30 s: it
@@ -163,8 +165,9 @@ async def test_a_followers_conditional_delete_never_removes_a_renewal_at_the_dea
     await follower.start()
     try:
         assert follower.leader_id == "old"
-        # The old leader renews at the very end of its lease.
-        await asyncio.sleep(LEASE)
+        # The old leader renews at the very end of its lease (counted from its
+        # send, as the election counts it, not from the follower's start).
+        await asyncio.sleep(sent + LEASE - loop.time())
         renewed = await kv.update(
             ROLE,
             encode_record(instance_id="old", token="t-old", epoch=first, priority=0, meta={}),
