@@ -10,8 +10,6 @@ again.
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,20 +18,10 @@ import pytest
 from cnl_beat_harness import CELERY, HERE, BeatCluster, wait_for
 
 from celery_nats_leader.testing import free_port
+from tests.support.http_probe import get
 from tests.support.procs import Proc
 
 pytestmark = [pytest.mark.integration, pytest.mark.celery, pytest.mark.timeout(180)]
-
-
-def get(port: int, path: str) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
-            body = answer.read()
-            return answer.status, json.loads(body) if path != "/metrics" else body.decode()
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-    except OSError:
-        return 0, None  # not listening yet
 
 
 def start_beat(cluster: BeatCluster, tmp_path: Path, name: str, port: int) -> Proc:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
-import urllib.error
-import urllib.request
 from typing import Any
 
 import pytest
@@ -16,19 +13,9 @@ from celery_nats_leader.nats.connection import ConnectOptions, connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.ops.fence import fence_leader
 from celery_nats_leader.testing import free_port
+from tests.support.http_probe import get
 
 pytestmark = [pytest.mark.celery, pytest.mark.integration]
-
-
-def get(port: int, path: str) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
-            body = answer.read()
-            return answer.status, json.loads(body) if path != "/metrics" else body.decode()
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-    except OSError:
-        return 0, None  # not listening yet
 
 
 def test_worker_serves_health_and_readiness_beside_metrics(cluster_factory: Any) -> None:
