@@ -38,6 +38,11 @@ MIN_TTL_SECONDS = 0.5
 #: unrecoverable for too long to be a sane choice.
 MAX_TTL_SECONDS = 86_400.0
 
+#: Seconds added to ``2 x ttl`` to make the default beat catch-up window:
+#: room for a successor's campaign, its loading of the schedule's state, a
+#: busy host and clock skew between replicas (see ``LeaderSettings.catch_up_window``).
+BEAT_CATCH_UP_EXTRA_SECONDS = 5.0
+
 #: Lease safety margin as a fraction of the TTL when not configured. The
 #: leader steps down at ``last_confirmed_send + ttl - margin``; the margin
 #: absorbs event-loop lag and server expiry granularity.

@@ -27,7 +27,11 @@ from celery_nats_leader.config import (
     validate_bucket,
     validate_key,
 )
-from celery_nats_leader.constants import DEFAULT_METRICS_NAMESPACE, DEFAULT_SERVERS
+from celery_nats_leader.constants import (
+    BEAT_CATCH_UP_EXTRA_SECONDS,
+    DEFAULT_METRICS_NAMESPACE,
+    DEFAULT_SERVERS,
+)
 from celery_nats_leader.errors import ConfigError
 from celery_nats_leader.nats.connection import ConnectOptions
 
@@ -147,10 +151,18 @@ class LeaderSettings:
     must outlive every scheduler."""
 
     beat_max_catch_up: int = 100
-    """Overdue ticks of one entry that a scheduler dispatches one by one after
-    a gap (a failover, a restart of every replica). When more are overdue, all
+    """Most overdue ticks of one entry that a scheduler dispatches one by one
+    after a gap inside ``beat_catch_up_window``. When more are overdue, all
     but the latest are skipped (logged and counted in the state), as Celery's
     own scheduler does after downtime. ``0`` = always coalesce."""
+
+    beat_catch_up_window: float | None = None
+    """Seconds: overdue ticks of an entry are dispatched one by one only while
+    the oldest of them is at most this old (the ticks a failover missed);
+    after a longer gap (every replica down, a migration) they coalesce into
+    one run, as with Celery's own scheduler. ``None`` = ``2 x ttl + 5`` of
+    the beat role (see :meth:`catch_up_window`); raise it to catch up longer
+    outages tick by tick (still at most ``beat_max_catch_up``)."""
 
     beat_follower_interval: float = 1.0
     """Longest a follower's beat tick sleeps before it looks again, in seconds
@@ -236,6 +248,14 @@ class LeaderSettings:
                 f"beat_max_catch_up={self.beat_max_catch_up!r} must be an integer >= 0 "
                 "(overdue ticks dispatched one by one after a gap)"
             )
+        window: Any = self.beat_catch_up_window
+        if window is not None and (
+            isinstance(window, bool) or not isinstance(window, (int, float)) or not window >= 0
+        ):
+            raise ConfigError(
+                f"beat_catch_up_window={window!r} must be a number of seconds >= 0 "
+                "(or None: 2 x ttl + 5)"
+            )
         if (
             isinstance(self.beat_follower_interval, bool)
             or not isinstance(self.beat_follower_interval, (int, float))
@@ -300,6 +320,25 @@ class LeaderSettings:
             return ElectionConfig.from_mapping(base)
         except ConfigError as exc:
             raise ConfigError(f"nats_leader settings for role {role!r}: {exc}") from exc
+
+    def catch_up_window(self) -> float:
+        """Seconds within which a beat scheduler catches missed ticks up one by one.
+
+        ``beat_catch_up_window`` when set, else ``2 x ttl + 5`` of the beat
+        role. Why that bounds a failover: a successor takes over at most
+        ``ttl`` (plus a few milliseconds) after the old leader's last
+        renewal, and the first tick the old leader missed is no older
+        than that; the second ``ttl`` and the 5 s cover the campaign, loading
+        the schedule's state, a busy host and clock skew between replicas.
+
+        Raises:
+            ConfigError: If the beat role's election settings are invalid.
+
+        """
+        if self.beat_catch_up_window is not None:
+            return float(self.beat_catch_up_window)
+        ttl = self.election_config(self.beat_role).ttl
+        return 2.0 * ttl + BEAT_CATCH_UP_EXTRA_SECONDS
 
     def queue_for(self, role: str) -> str:
         """Name of the leader queue of ``role``."""

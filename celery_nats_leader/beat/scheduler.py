@@ -156,7 +156,11 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         self.nats_leader_election = BeatElection(
             settings, self._election_config(settings), self.make_elector
         )
-        self.nats_leader_planner = TickPlanner(settings.beat_max_catch_up, interval_of)
+        self.nats_leader_planner = TickPlanner(
+            settings.beat_max_catch_up,
+            interval_of,
+            window=timedelta(seconds=settings.catch_up_window()),
+        )
         self.nats_leader_dispatcher: TickDispatcher | None = None
         #: Tick counters by entry and outcome (served with ``nats_leader_metrics_port``).
         self.nats_leader_metrics = TickMetrics(settings.beat_role, settings.instance_id)
@@ -686,11 +690,13 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         if due.skipped:
             logger.warning(
                 "nats-leader beat: %r had %s%d overdue ticks: skipped all but the latest, %s "
-                "(beat_max_catch_up=%d)",
+                "(one run: the oldest was older than the catch-up window of %gs, or more "
+                "than beat_max_catch_up=%d were overdue)",
                 name,
                 "" if self.nats_leader_planner.interval_of(entry.schedule) else "at least ",
                 due.skipped + 1,
                 slot_text(committed.slot),
+                self.nats_leader_settings.catch_up_window(),
                 self.nats_leader_settings.beat_max_catch_up,
             )
         self.record_run(entry, committed)

@@ -21,6 +21,12 @@ after the last committed slot, however late).
 it); :class:`TickPlanner` then names the due tick and applies catch-up, in a
 bounded number of ``remaining_estimate()`` calls whatever the gap.
 
+Catch-up is for failovers, not for outages: missed ticks are dispatched one by
+one only while the oldest of them is inside the *catch-up window* (by default
+``2 x ttl + 5 s``, see :meth:`~celery_nats_leader.settings.LeaderSettings.catch_up_window`),
+which every tick missed during a failover is; a longer gap (every replica
+down, a migration) coalesces into one run, as with Celery's own scheduler.
+
 This module imports neither Celery nor Django: schedules are used through
 ``now()``, ``nowfun`` and ``remaining_estimate()`` only.
 """
@@ -127,11 +133,13 @@ class TickPlanner:
     """Plans the next tick of each entry from its last committed slot, in O(1) slots.
 
     After a gap (a failover, every replica down) several ticks of an entry may
-    be overdue. Up to ``max_catch_up`` missed ticks are dispatched one by one,
-    oldest first, each its own committed tick; with more overdue, all but the
-    latest are skipped and the latest is dispatched (Celery's behaviour after
-    downtime). The count is of slots, so it is the same on every replica up to
-    the skew of their clocks.
+    be overdue. When the oldest of them is at most ``window`` old and there
+    are at most ``max_catch_up + 1`` of them, they are dispatched one by one,
+    oldest first, each its own committed tick (the ticks a failover missed).
+    Otherwise all but the latest are skipped and the latest is dispatched:
+    one run, Celery's behaviour after downtime. Both tests are of slots
+    against this scheduler's clock, so they agree on every replica up to the
+    skew of their clocks.
 
     Whatever the gap, a plan costs a bounded number of ``remaining_estimate()``
     calls: an interval schedule's latest overdue slot is computed
@@ -141,6 +149,8 @@ class TickPlanner:
 
     Args:
         max_catch_up: Missed ticks dispatched one by one (``0`` = coalesce).
+        window: Overdue ticks are caught up only while the oldest is at most
+            this old; ``None`` = whatever their age (the count alone limits).
         interval_of: The period of a schedule whose slots are
             ``anchor + k * period`` (Celery's plain ``schedule``), else
             ``None``. The Celery side knows which schedules those are; this
@@ -152,9 +162,11 @@ class TickPlanner:
         self,
         max_catch_up: int,
         interval_of: Callable[[Any], timedelta | None] = lambda schedule: None,
+        window: timedelta | None = None,
     ) -> None:
         self.max_catch_up = max_catch_up
         self.interval_of = interval_of
+        self.window = window
 
     def plan(
         self,
@@ -198,6 +210,10 @@ class TickPlanner:
             return TickPlan(None, False, math.inf)
         if first > now_utc:
             return TickPlan(first, False, (first - now_utc).total_seconds())
+        if self.window is not None and now_utc - first > self.window:
+            # Older than any failover leaves a tick: an outage (every
+            # replica down, a migration). One run, as Celery after downtime.
+            limit = 0
         if period is not None:
             overdue = (now_utc - first) // period + 1
             if overdue - 1 <= limit:

@@ -464,6 +464,9 @@ def test_after_a_long_gap_at_most_max_catch_up_ticks_then_the_latest(
             "cron": entry(ManualCron(nowfun=now)),
         },
         nats_leader_beat_max_catch_up=3,
+        # A window longer than the gap: the count alone limits (the default
+        # window coalesces any gap longer than a failover, see below).
+        nats_leader_beat_catch_up_window=4 * 86400,
     )
     pair.run_for(2)
     before = pair.ours.entry_states()
@@ -488,13 +491,46 @@ def test_after_a_long_gap_at_most_max_catch_up_ticks_then_the_latest(
 
 
 def test_a_few_missed_ticks_are_caught_up_one_by_one(make_pair: Callable[..., Pair]) -> None:
-    pair = make_pair({"minute": entry(ManualCron(nowfun=now))}, nats_leader_beat_max_catch_up=5)
+    pair = make_pair(
+        {"minute": entry(ManualCron(nowfun=now))},
+        nats_leader_beat_max_catch_up=5,
+        nats_leader_beat_catch_up_window=300,
+    )
     pair.run_for(61)
     CLOCK.advance(4 * 60)
     drain(pair.ours)
     slots = [state.slot for state in [pair.ours.entry_states()["minute"]]]
     assert len(pair.ours.run.times("minute")) == 1 + 4
     assert slots == [T0 + timedelta(minutes=5)]
+
+
+def test_by_default_a_gap_longer_than_a_failover_is_one_run_as_with_celery(
+    make_pair: Callable[..., Pair],
+) -> None:
+    # The default window (2 x ttl + 5 s) is shorter than a 4-minute gap:
+    # the four missed minutes coalesce into one run, the latest, as Celery's.
+    pair = make_pair(
+        {
+            "minute": entry(ManualCron(nowfun=now)),
+            "second": entry(schedule(timedelta(seconds=1), nowfun=now)),
+        }
+    )
+    pair.run_for(61)
+    before = pair.ours.entry_states()["second"].slot
+    sent = {name: len(pair.ours.run.times(name)) for name in ("minute", "second")}
+    oracle_sent = {name: len(pair.oracle.run.times(name)) for name in ("minute", "second")}
+    CLOCK.advance(4 * 60)
+    gap_end = CLOCK()
+    drain(pair.ours)
+    drain(pair.oracle)
+    after = {name: len(pair.ours.run.times(name)) - sent[name] for name in sent}
+    oracle_after = {name: len(pair.oracle.run.times(name)) - oracle_sent[name] for name in sent}
+    assert after == oracle_after == {"minute": 1, "second": 1}
+    states = pair.ours.entry_states()
+    assert states["minute"].slot == gap_end.replace(second=0, microsecond=0)
+    assert gap_end - timedelta(seconds=1) < states["second"].slot <= gap_end
+    missed = (states["second"].slot - before) // timedelta(seconds=1)
+    assert missed > 200 and states["second"].skipped == missed - 1
 
 
 # ------------------------------------------------------ starting deadline

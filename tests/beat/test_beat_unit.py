@@ -154,6 +154,42 @@ def test_overdue_ticks_are_caught_up_one_by_one_up_to_the_limit() -> None:
     assert not plan.due and plan.wait == pytest.approx(0.75)
 
 
+def test_catch_up_is_for_a_failover_window_and_an_outage_coalesces() -> None:
+    every = schedule(timedelta(seconds=1))
+    planner = TickPlanner(max_catch_up=100, interval_of=interval_of, window=timedelta(seconds=25))
+    # A failover: the oldest missed tick is 20 s old, inside the window: the
+    # 20 missed ticks are dispatched one by one, oldest first.
+    now = T0 + timedelta(seconds=20.5)
+    plan = planner.plan("e", every, T0, now)
+    assert (plan.slot, plan.skipped) == (T0 + timedelta(seconds=1), 0)
+    for k in range(2, 21):
+        plan = planner.plan("e", every, plan.slot, now)
+        assert (plan.slot, plan.skipped) == (T0 + timedelta(seconds=k), 0)
+    assert not planner.plan("e", every, plan.slot, now).due
+    # An outage of two hours (7,200 periods): one run, the latest tick.
+    later = T0 + timedelta(hours=2, seconds=0.5)
+    plan = planner.plan("e", every, T0, later)
+    assert (plan.slot, plan.skipped) == (T0 + timedelta(hours=2), 7199)
+    assert not planner.plan("e", every, plan.slot, later).due
+    # A crontab two hours behind (120 minutes) likewise: one run, at the latest minute.
+    every_minute = crontab()
+    plan = planner.plan("cron", every_minute, T0, later)
+    assert plan.slot == (T0 + timedelta(hours=2)).replace(second=0, microsecond=0)
+    assert plan.skipped >= 1
+    assert not planner.plan("cron", every_minute, plan.slot, later).due
+    # ... and one minute behind, inside the window: its one tick, nothing skipped.
+    just = T0.replace(second=0, microsecond=0) + timedelta(minutes=1, seconds=10)
+    plan = planner.plan("cron", every_minute, T0, just)
+    assert (plan.slot, plan.skipped) == (just.replace(second=0), 0)
+
+
+def test_without_a_window_the_count_alone_limits_catch_up() -> None:
+    every = schedule(timedelta(seconds=1))
+    planner = TickPlanner(max_catch_up=100, interval_of=interval_of, window=None)
+    plan = planner.plan("e", every, T0, T0 + timedelta(seconds=90.5))
+    assert (plan.slot, plan.skipped) == (T0 + timedelta(seconds=1), 0)
+
+
 class CountingCrontab(crontab):  # type: ignore[misc]
     """A crontab that counts its remaining_estimate() calls."""
 
@@ -209,8 +245,19 @@ def test_state_round_trip_and_keys() -> None:
     assert parse_slot(slot_text(T0)) == T0
 
 
+def test_the_catch_up_window_defaults_to_twice_the_ttl_plus_five_seconds() -> None:
+    assert LeaderSettings().catch_up_window() == 2 * 10.0 + 5
+    assert LeaderSettings(ttl=30).catch_up_window() == 65.0
+    assert LeaderSettings(role_options={"beat": {"ttl": 2.0}}).catch_up_window() == 9.0
+    assert LeaderSettings(ttl=30, beat_catch_up_window=3600).catch_up_window() == 3600.0
+    assert LeaderSettings(beat_catch_up_window=0).catch_up_window() == 0.0
+
+
 def test_settings_reject_bad_beat_values() -> None:
     assert LeaderSettings(bucket="elections").beat_state_bucket == "elections_beat"
+    for bad in (-1, "10", True):
+        with pytest.raises(ConfigError, match="beat_catch_up_window"):
+            LeaderSettings(beat_catch_up_window=bad)
     with pytest.raises(ConfigError, match="beat_max_catch_up"):
         LeaderSettings(beat_max_catch_up=-1)
     with pytest.raises(ConfigError, match="beat_follower_interval"):
@@ -328,10 +375,10 @@ def drive(scheduler: MemoryScheduler, passes: int = 20) -> None:
     raise AssertionError(f"still dispatching after {passes} passes")
 
 
-def leader_and_follower(make: Any) -> tuple[MemoryScheduler, MemoryScheduler]:
-    a = make("a")
+def leader_and_follower(make: Any, **conf: Any) -> tuple[MemoryScheduler, MemoryScheduler]:
+    a = make("a", **conf)
     assert a.beat_role is not None and a.beat_role.wait_for_leadership(5)
-    b = make("b")
+    b = make("b", **conf)
     assert not b.is_leader
     return a, b
 
@@ -501,7 +548,9 @@ def test_the_lease_ending_before_the_send_hands_the_tick_back(make: Any, clock: 
 
 
 def test_a_new_leader_continues_without_duplicate_or_gap(make: Any, clock: ManualNow) -> None:
-    a, b = leader_and_follower(make)
+    # A hand-over that lasts three 10-s periods: inside a catch-up window of 60 s
+    # (the default, 2 x ttl + 5 = 7 s here, is for a 1-s TTL's failovers).
+    a, b = leader_and_follower(make, nats_leader_beat_catch_up_window=60)
     a.tick()
     for _ in range(3):
         clock.advance(10)
