@@ -41,6 +41,7 @@ from celery_nats_leader.beat import (
     FencedBeatTask,
     check_dispatch_token,
 )
+from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.testing import kombu_fs
 from celery_nats_leader.worker.once import OnceTask, run_once
 from celery_nats_leader.worker.refused import NotRun
@@ -201,6 +202,14 @@ def make_app(config: dict[str, Any]) -> Celery:
         nats_leader_start_timeout=30.0,
         **{f"nats_leader_{k}": v for k, v in config.get("extra", {}).items()},
     )
+    if any(spec["kind"] == "fastcron" for spec in config.get("entries", [])) and (
+        "beat_catch_up_window" not in config.get("extra", {})
+    ):
+        # The catch-up window is measured on the schedule's clock: a failover
+        # of a few wall-clock seconds lasts ``speed`` times longer on a
+        # fastcron's. The default window, on that clock.
+        default = LeaderSettings(ttl=config["ttl"]).catch_up_window()
+        app.conf.nats_leader_beat_catch_up_window = default * float(config.get("speed", 60))
     if not config.get("django"):
         app.conf.beat_schedule = beat_schedule(
             config.get("entries", []), "cnl_beat.record", config["queue"]
