@@ -11,6 +11,7 @@ the app's configuration::
     celery -A proj nats-leader fence reports     # end the term now (hand-over, else fence)
     celery -A proj nats-leader events --follow   # every transition, as it happens
     celery -A proj nats-leader release           # hand over what this host leads (preStop)
+    celery -A proj nats-leader seed-beat --shelve celerybeat-schedule  # migrating to beat
 
 Exit codes: 0 all right; 1 a configured role has no leader (``status``), no
 leader stepped down (``resign``) or a bucket is missing or wrong
@@ -671,6 +672,99 @@ def events(
             "can be shown",
             err=True,
         )
+    ctx.exit(EXIT_OK)
+
+
+@nats_leader.command(name="seed-beat")
+@click.option(
+    "--shelve",
+    "shelve_path",
+    default=None,
+    metavar="PATH",
+    help="Celery's PersistentScheduler schedule file (the old beat's -s).",
+)
+@click.option("--redbeat", is_flag=True, help="celery-redbeat's keys in Redis.")
+@click.option(
+    "--redis-url",
+    default=None,
+    help="With --redbeat: Redis (default: redbeat_redis_url, else broker_url).",
+)
+@click.option(
+    "--key-prefix",
+    default=None,
+    help="With --redbeat: the key prefix (default: redbeat_key_prefix, else 'redbeat:').",
+)
+@click.option("--replace", is_flag=True, help="Overwrite entries that already have a state.")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds per NATS operation.")
+@click.pass_context
+def seed_beat(
+    ctx: click.Context,
+    *,
+    shelve_path: str | None,
+    redbeat: bool,
+    redis_url: str | None,
+    key_prefix: str | None,
+    replace: bool,
+    as_json: bool,
+    timeout: float,
+) -> None:
+    """Seed the beat schedule's state with the last runs of the scheduler it replaces.
+
+    Run it once, with the old beat stopped and before the first `beat -S
+    nats_leader` starts: each entry's first tick is then the one the old
+    scheduler would have sent next (nothing skipped, nothing repeated).
+    Entries that already have a state are kept (--replace overwrites them).
+    django-celery-beat: `manage.py election_seed_beat`. Exits 2 when a source
+    or NATS cannot be read.
+    """
+    from celery_nats_leader.ops.seed import (
+        last_runs_from_redbeat,
+        last_runs_from_shelve,
+        seed_lines,
+        seed_schedule_state,
+    )
+
+    settings = _settings(ctx)
+    app = ctx.find_root().obj.app
+    if (shelve_path is None) == (not redbeat):
+        raise click.UsageError("give one source: --shelve PATH or --redbeat")
+    try:
+        if shelve_path is not None:
+            last_runs = last_runs_from_shelve(shelve_path, zone=app.timezone)
+        else:
+            conf = app.conf
+            url = redis_url or conf.get("redbeat_redis_url") or conf.broker_url
+            prefix = key_prefix or conf.get("redbeat_key_prefix") or "redbeat:"
+            last_runs = last_runs_from_redbeat(str(url), key_prefix=str(prefix))
+    except ConfigError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+
+    async def run() -> list[Any]:
+        name = operator_name("celery nats-leader seed-beat")
+        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
+            return await seed_schedule_state(
+                backend,
+                settings.beat_state_bucket,
+                settings.beat_role,
+                last_runs,
+                replace=replace,
+                create_bucket=settings.create_bucket,
+                replicas=settings.bucket_replicas,
+                timeout=timeout,
+            )
+
+    try:
+        outcomes = asyncio.run(run())
+    except ElectionError as exc:
+        click.echo(f"Error: cannot seed {settings.beat_state_bucket!r}: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+    if as_json:
+        click.echo(json.dumps({"entries": [o.to_dict() for o in outcomes]}, sort_keys=True))
+    else:
+        for line in seed_lines(outcomes):
+            click.echo(line)
     ctx.exit(EXIT_OK)
 
 
