@@ -201,6 +201,8 @@ def make_app(config: dict[str, Any]) -> Celery:
         nats_leader_required=True,
         nats_leader_start_timeout=30.0,
         **{f"nats_leader_{k}": v for k, v in config.get("extra", {}).items()},
+        # Plain Celery settings of a test (another scheduler's: redbeat_*).
+        **config.get("celery", {}),
     )
     if any(spec["kind"] == "fastcron" for spec in config.get("entries", [])) and (
         "beat_catch_up_window" not in config.get("extra", {})

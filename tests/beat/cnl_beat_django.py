@@ -15,7 +15,20 @@ import sys
 SECRET_KEY = "cnl-beat-tests"
 USE_TZ = True
 TIME_ZONE = "UTC"
-INSTALLED_APPS = ["django_celery_beat"]
+# django_nats_leader for its management commands (election_seed_beat).
+INSTALLED_APPS = ["django_celery_beat", "django_nats_leader"]
+_CONFIG = json.loads(os.environ.get("CNL_BEAT_CONFIG", "{}"))
+# What the management commands read (the Celery app reads its nats_leader_* keys).
+NATS_LEADER = (
+    {
+        "SERVERS": _CONFIG["nats_url"],
+        "BUCKET": _CONFIG["bucket"],
+        "BEAT_ROLE": _CONFIG.get("beat_role", "beat"),
+        "TTL": _CONFIG["ttl"],
+    }
+    if _CONFIG
+    else {}
+)
 DEFAULT_AUTO_FIELD = "django.db.models.AutoField"
 DATABASES = {
     "default": json.loads(
