@@ -18,9 +18,11 @@ import pytest
 from celery import Celery
 from celery.beat import PersistentScheduler
 from celery.schedules import crontab, schedule
+from click.testing import CliRunner, Result
 from redbeat.decoder import RedBeatJSONDecoder, RedBeatJSONEncoder
 
 from celery_nats_leader.beat.state import state_key
+from celery_nats_leader.cli import nats_leader
 from celery_nats_leader.errors import ConfigError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.ops.seed import (
@@ -31,6 +33,7 @@ from celery_nats_leader.ops.seed import (
     seed_lines,
     seed_schedule_state,
 )
+from celery_nats_leader.testing import NatsServer
 
 UTC = timezone.utc
 T0 = datetime(2026, 11, 27, 10, 0, 0, 123456, tzinfo=UTC)
@@ -131,3 +134,48 @@ async def test_seeding_writes_each_last_run_once_and_keeps_existing_states() -> 
     assert lines[0] == "report: seeded: last run 2026-11-27T10:00:00.123456+00:00, 7 runs"
     assert lines[1].startswith("fresh: never ran")
     assert lines[2].startswith("report: kept its state (last tick 2026-11-27T10:00:00.123456")
+
+
+def seed_cli(app: Celery, *args: str) -> Result:
+    return CliRunner().invoke(nats_leader, ["seed-beat", *args], obj=SimpleNamespace(app=app))
+
+
+def test_the_seed_beat_command(nats_server: NatsServer, tmp_path: Path) -> None:
+    app = Celery("seed-cli", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        timezone="UTC",
+        result_expires=None,
+        nats_leader_servers=[nats_server.url],
+        beat_schedule={"every-minute": {"task": "t.minute", "schedule": 60.0}},
+    )
+    path = str(tmp_path / "celerybeat-schedule")
+    old = PersistentScheduler(app=app, schedule_filename=path)
+    old.schedule["every-minute"].last_run_at = T0
+    old.schedule["every-minute"].total_run_count = 5
+    old.sync()
+    old.close()
+
+    # One source, exactly.
+    assert seed_cli(app).exit_code == 2
+    assert seed_cli(app, "--shelve", path, "--redbeat").exit_code == 2
+    missing = seed_cli(app, "--shelve", str(tmp_path / "nothing"))
+    assert missing.exit_code == 2 and "cannot open the schedule file" in missing.output
+    # No state bucket yet: says so, exit 2.
+    no_bucket = seed_cli(app, "--shelve", path)
+    assert no_bucket.exit_code == 2, no_bucket.output
+    assert "cannot seed 'leaders_beat'" in no_bucket.output
+
+    assert (
+        CliRunner()
+        .invoke(nats_leader, ["bucket", "--create", "--beat-state"], obj=SimpleNamespace(app=app))
+        .exit_code
+        == 0
+    )
+    done = seed_cli(app, "--shelve", path)
+    assert done.exit_code == 0, done.output
+    assert "every-minute: seeded: last run 2026-11-27T10:00:00.123456+00:00, 5 runs" in done.output
+    again = seed_cli(app, "--shelve", path, "--json")
+    entries = {e["entry"]: e for e in json.loads(again.output)["entries"]}
+    assert entries["every-minute"]["action"] == "kept"
+    assert entries["every-minute"]["state"]["runs"] == 5
