@@ -156,10 +156,12 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         self.nats_leader_election = BeatElection(
             settings, self._election_config(settings), self.make_elector
         )
+        window = settings.catch_up_window()
         self.nats_leader_planner = TickPlanner(
             settings.beat_max_catch_up,
             interval_of,
-            window=timedelta(seconds=settings.catch_up_window()),
+            # Infinity (or beyond 300,000 years, near timedelta's range): no window.
+            window=timedelta(seconds=window) if window < _NO_WINDOW_SECONDS else None,
         )
         self.nats_leader_dispatcher: TickDispatcher | None = None
         #: Tick counters by entry and outcome (served with ``nats_leader_metrics_port``).
@@ -781,6 +783,9 @@ class _Due:
 
 
 _ONE_MICROSECOND = timedelta(microseconds=1)
+
+#: A catch-up window at least this long is none (``float("inf")`` included).
+_NO_WINDOW_SECONDS = 1e13
 
 #: Modules whose schedules' ``is_due()`` is plain "is a slot due" (see ``catches_up``).
 STANDARD_IS_DUE_MODULES = frozenset({"celery.schedules", "django_celery_beat.tzcrontab"})

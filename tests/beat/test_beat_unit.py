@@ -245,6 +245,12 @@ def test_state_round_trip_and_keys() -> None:
     assert parse_slot(slot_text(T0)) == T0
 
 
+def test_an_infinite_catch_up_window_is_none(make: Any) -> None:
+    assert make("a").nats_leader_planner.window == timedelta(seconds=2 * 1.0 + 5)
+    endless = make("b", nats_leader_beat_catch_up_window=float("inf"))
+    assert endless.nats_leader_planner.window is None
+
+
 def test_the_catch_up_window_defaults_to_twice_the_ttl_plus_five_seconds() -> None:
     assert LeaderSettings().catch_up_window() == 2 * 10.0 + 5
     assert LeaderSettings(ttl=30).catch_up_window() == 65.0
@@ -255,7 +261,7 @@ def test_the_catch_up_window_defaults_to_twice_the_ttl_plus_five_seconds() -> No
 
 def test_settings_reject_bad_beat_values() -> None:
     assert LeaderSettings(bucket="elections").beat_state_bucket == "elections_beat"
-    for bad in (-1, "10", True):
+    for bad in (-1, "10", True, float("nan")):
         with pytest.raises(ConfigError, match="beat_catch_up_window"):
             LeaderSettings(beat_catch_up_window=bad)
     with pytest.raises(ConfigError, match="beat_max_catch_up"):
