@@ -79,6 +79,9 @@ def test_standalone_beat_serves_health_and_readiness(
         assert (code, body["checks"]["election_loop"]) == (200, True)
         metrics = get(port, "/metrics")[1]
         assert 'nats_leader_is_leader{bucket="leaders",instance_id=' in metrics
+        # What the shipped alerts read (no leader, disconnected) covers beat too.
+        assert 'nats_leader_has_leader{bucket="leaders",instance_id=' in metrics
+        assert "nats_leader_connected{instance_id=" in metrics
     assert "nats_leader_beat_ticks_total" in get(ports[leader], "/metrics")[1]
 
     # NATS down: not ready (an orchestrator stops routing to them), still live.
