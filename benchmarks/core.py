@@ -268,9 +268,11 @@ def main() -> None:
         f"Python {platform.python_version()}"
     )
     print(f"# machine: {machine}; {', '.join(labels)}")
+    load_before = os.getloadavg()[0]
     columns = [measure(args, version) for version in versions]
     if args.json:
-        write_json(args.json, machine, numbers, columns)
+        load = (load_before, os.getloadavg()[0])
+        write_json(args.json, machine, numbers, columns, load)
     print("| measurement (p50 / p99 / max) | runs | " + " | ".join(labels) + " | target |")
     print("|---|---|" + "---|" * len(labels) + "---|")
     for i, (name, samples, target, unit, suffix) in enumerate(columns[0][0]):
@@ -282,12 +284,17 @@ def main() -> None:
 
 
 def write_json(
-    path: str, machine: str, versions: list[str], columns: list[tuple[list[Stat], list[str]]]
+    path: str,
+    machine: str,
+    versions: list[str],
+    columns: list[tuple[list[Stat], list[str]]],
+    load: tuple[float, float],
 ) -> None:
     """The run's samples as JSON: ``{"machine", "servers": [{"version", "measurements"}]}``.
 
     Each measurement has its ``name``, ``samples`` in seconds (raw, unsorted),
-    the table's ``unit`` factor and ``suffix``, and its ``target``.
+    the table's ``unit`` factor and ``suffix``, and its ``target``;
+    ``load_average`` is the 1-minute load at the start and at the end.
     """
     servers = [
         {
@@ -300,7 +307,12 @@ def write_json(
         }
         for version, (stats, extra) in zip(versions, columns, strict=True)
     ]
-    document = {"benchmark": "core", "machine": machine, "servers": servers}
+    document = {
+        "benchmark": "core",
+        "machine": machine,
+        "load_average": [round(v, 2) for v in load],
+        "servers": servers,
+    }
     with open(path, "w") as out:
         json.dump(document, out, indent=1)
         out.write("\n")

@@ -109,10 +109,19 @@ def failover_by_server(core: dict[str, Any], out: Path) -> list[str]:
             top = max(top, ttl)
         ax.set_xticks(range(len(series)), names)
         ax.set_xlim(-0.6, len(series) - 0.4)
-        ax.set_title(title)
         ax.set_ylabel(unit)
-        ax.set_ylim(0, top * 1.12)
-    fig.suptitle(f"Crash failover and graceful hand-over, {core['machine']}", fontsize=9)
+        if unit == "ms":
+            # Hand-overs: a few ms, with a tail under load ten times longer.
+            ax.set_yscale("log")
+            bottom = min((min(v) for v in series if v), default=1.0)
+            ax.set_ylim(bottom * 0.7, top * 1.5)
+            ax.set_title(f"{title} (log scale)")
+        else:
+            ax.set_ylim(0, top * 1.12)
+            ax.set_title(title)
+    load = core.get("load_average")
+    under = f", load average {load[0]:.1f} → {load[1]:.1f}" if load else ""
+    fig.suptitle(f"Crash failover and graceful hand-over, {core['machine']}{under}", fontsize=9)
     fig.savefig(out, **_SAVE)
     plt.close(fig)
     return lines
