@@ -165,7 +165,7 @@ def beat_vs_redbeat(beat: dict[str, Any], out: Path) -> list[str]:
         lines.append(
             f"{out.name}: {label}: {len(crashes)} kills, median failover "
             f"{statistics.median(failovers) if failovers else float('nan'):.2f} s, "
-            f"ticks lost {sum(c['lost'] for c in crashes):g}, sent twice "
+            f"ticks lost {sum(c['lost'] for c in crashes):.1f}, sent twice "
             f"{sum(c['duplicates'] for c in [*crashes, *pauses])}, run twice {twice}"
         )
     ttl = float(beat["settings"]["lock_ttl"])
@@ -186,7 +186,9 @@ def beat_vs_redbeat(beat: dict[str, Any], out: Path) -> list[str]:
     # Right: per scenario, ticks lost (per kill, mean), sent twice and run twice (totals).
     points = list(MARKERS)
     groups = [f"killed\n{p}" for p in points] + ["paused\nmid-dispatch", "paused\nat random"]
-    width = 0.8 / (2 * len(labels))
+    kinds = 3  # bars per scheduler: lost, sent twice, run twice
+    width = 0.84 / (kinds * len(labels))
+    highest = 1.0
     for i, label in enumerate(labels):
         crashes, pauses = schedulers[label]["crashes"], schedulers[label]["pauses"]
         scenarios = [[c for c in crashes if c["point"] == p] for p in points]
@@ -194,25 +196,30 @@ def beat_vs_redbeat(beat: dict[str, Any], out: Path) -> list[str]:
         # Ticks lost are measured after kills only (a paused scheduler's
         # successor dispatches on): no bar for the pauses.
         lost = [statistics.mean(c["lost"] for c in s) if s else 0.0 for s in scenarios[:3]]
+        sent = [sum(int(c.get("duplicates", 0)) for c in s) for s in scenarios]
         twice = [sum(int(c.get("run_twice", 0)) for c in s) for s in scenarios]
-        base = [g - 0.4 + (2 * i + 0.5) * width for g in range(len(groups))]
         colour = COLOURS[i % len(COLOURS)]
-        right.bar(base[:3], lost, width, color=colour, label=f"{label}: lost per kill (mean)")
-        right.bar(
-            [x + width for x in base],
-            twice,
-            width,
-            color=colour,
-            alpha=0.45,
-            hatch="//",
-            label=f"{label}: run twice (total)",
+        first = [g - 0.42 + (kinds * i + 0.5) * width for g in range(len(groups))]
+        bars = (
+            (first[:3], lost, {"color": colour}, "lost per kill (mean)"),
+            ([x + width for x in first], sent, {"fill": False, "edgecolor": colour}, "sent twice"),
+            (
+                [x + 2 * width for x in first],
+                twice,
+                {"color": colour, "alpha": 0.45, "hatch": "//"},
+                "run twice",
+            ),
         )
-        for x, value in zip([*base[:3], *(x + width for x in base)], [*lost, *twice], strict=True):
-            right.annotate(f"{value:.3g}", (x, value), ha="center", va="bottom", fontsize=7)
+        for xs, values, style, what in bars:
+            right.bar(xs, values, width, label=f"{label}: {what}", **style)
+            for x, value in zip(xs, values, strict=True):
+                right.annotate(f"{value:.3g}", (x, value), ha="center", va="bottom", fontsize=6)
+            highest = max(highest, *values)
     right.set_xticks(range(len(groups)), groups)
-    right.set_ylabel("ticks")
-    right.set_title("Ticks lost and ticks run twice, by scenario")
-    right.legend(fontsize=7, frameon=False, loc="upper right")
+    right.set_ylim(0, highest * 1.6)  # room for the legend above the bars
+    right.set_ylabel("ticks (lost: mean per kill; twice: totals)")
+    right.set_title("Ticks lost, sent twice and run twice, by scenario")
+    right.legend(fontsize=7, frameon=False, loc="upper left", ncols=2)
     settings = beat["settings"]
     fig.suptitle(
         f"Beat: {settings['replicas']} replicas, {settings['entries']} entries every 1 s, "

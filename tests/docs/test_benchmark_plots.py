@@ -3,12 +3,13 @@
 A small sample of what ``core.py --json`` and ``beat_failover.py --json``
 write goes through the script as a user runs it; the numbers it prints are
 the sample's, and the images are real PNGs of the expected size with
-something drawn on them.
+something drawn on them. The figures in docs/ are the ones benchmarks.md shows.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -113,7 +114,7 @@ def test_plots_are_drawn_from_the_benchmarks_json(tmp_path: Path) -> None:
         "failover-by-server.png: graceful hand-over, nats-server 2.15.1: "
         "3 runs, median 6.000 ms, max 11.000 ms",
         "beat-vs-redbeat.png: celery-nats-leader: 3 kills, median failover 4.50 s, "
-        "ticks lost 0, sent twice 2, run twice 0",
+        "ticks lost 0.0, sent twice 2, run twice 0",
         "beat-vs-redbeat.png: celery-redbeat: 3 kills, median failover 5.20 s, "
         "ticks lost 15.4, sent twice 4, run twice 4",
     ]
@@ -141,3 +142,14 @@ def test_plots_are_drawn_from_the_benchmarks_json(tmp_path: Path) -> None:
     )
     for name in ("failover-by-server.png", "beat-vs-redbeat.png"):
         assert (again / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def test_benchmarks_page_shows_the_generated_figures() -> None:
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    shown = set(re.findall(r"!\[[^\]]*\]\(images/([\w.-]+\.png)\)", page))
+    assert shown == {"failover-by-server.png", "beat-vs-redbeat.png"}
+    for name in shown:
+        assert _png_size(ROOT / "docs" / "images" / name)[0] == 1100, name
+    for data in ("core.json", "beat_failover.json"):
+        document = json.loads((ROOT / "benchmarks" / "results" / data).read_text())
+        assert document["benchmark"] == data.removesuffix(".json")
