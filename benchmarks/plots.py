@@ -11,8 +11,8 @@ Reads what ``core.py --json`` and ``beat_failover.py --json`` wrote and draws:
 
 Run::
 
-    python benchmarks/core.py --scale-roles 0 --json benchmarks/results/core.json
-    python benchmarks/beat_failover.py --json benchmarks/results/beat_failover.json
+    python benchmarks/core.py --scale-roles 0 --json benchmarks/data/core.json
+    python benchmarks/beat_failover.py --json benchmarks/data/beat_failover.json
     python benchmarks/plots.py            # writes docs/images/*.png
 
 Each figure's numbers are printed too (one line per series), so a run can be
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "data"
 IMAGES = ROOT / "docs" / "images"
 
 #: The core benchmark's measurements drawn, by name prefix: (panel title, scale, unit).
