@@ -609,6 +609,11 @@ def report(ours: Run, theirs: Run, trials: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=3, help="crashes and pauses per scenario")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write every crash and pause to PATH, for benchmarks/plots.py",
+    )
     args = parser.parse_args()
     if not _reachable(REDIS_URL):
         message = f"beat_failover: Redis not reachable at {REDIS_URL} (set BENCH_REDIS_URL)"
@@ -632,7 +637,45 @@ def main() -> int:
             Path(tmp),
         )
     print(report(ours, theirs, args.trials))
+    if args.json:
+        write_json(args.json, [ours, theirs])
     return 0
+
+
+def write_json(path: str, runs: list[Run]) -> None:
+    """Every crash and pause of each scheduler as JSON, for ``benchmarks/plots.py``.
+
+    ``{"benchmark": "beat_failover", "settings": {...}, "schedulers": {label:
+    {"crashes": [{"point", "failover", "lost", "duplicates", ...}], "pauses":
+    {kind: [{"duplicates", "outcome", ...}]}}}}``; times in seconds (the
+    monotonic windows are left out).
+    """
+
+    def plain(scenario: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in scenario.items() if k != "window"}
+
+    document = {
+        "benchmark": "beat_failover",
+        "settings": {
+            "replicas": REPLICAS,
+            "entries": ENTRIES,
+            "lock_ttl": LOCK_TTL,
+            "loop_interval": LOOP_INTERVAL,
+            "nats_server": NATS_VERSION,
+            "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
+            f"Python {platform.python_version()}",
+        },
+        "schedulers": {
+            run.label: {
+                "crashes": [plain(c) for c in run.crashes],
+                "pauses": {kind: [plain(p) for p in ps] for kind, ps in run.pauses.items()},
+            }
+            for run in runs
+        },
+    }
+    with open(path, "w") as out:
+        json.dump(document, out, indent=1)
+        out.write("\n")
 
 
 if __name__ == "__main__":

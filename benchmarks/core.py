@@ -251,17 +251,28 @@ def main() -> None:
         "(system, newest, 2.10 ... 2.15, or a full version); one column each",
     )
     parser.add_argument("--quick", action="store_true", help="few runs, for a smoke check")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write every sample (seconds) to PATH, for benchmarks/plots.py",
+    )
     args = parser.parse_args()
     if args.quick:
         args.crash_runs, args.handoff_runs, args.scale_roles, args.scale_seconds = 3, 10, 100, 5.0
 
     versions = [v for v in args.servers.split(",") if v]
-    labels = [f"nats-server {binary_version(server_binary(v))}" for v in versions]
-    print(
-        f"# machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}; {', '.join(labels)}"
+    numbers = [str(binary_version(server_binary(v))) for v in versions]
+    labels = [f"nats-server {n}" for n in numbers]
+    machine = (
+        f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}"
     )
+    print(f"# machine: {machine}; {', '.join(labels)}")
+    load_before = os.getloadavg()[0]
     columns = [measure(args, version) for version in versions]
+    if args.json:
+        load = (load_before, os.getloadavg()[0])
+        write_json(args.json, machine, numbers, columns, load)
     print("| measurement (p50 / p99 / max) | runs | " + " | ".join(labels) + " | target |")
     print("|---|---|" + "---|" * len(labels) + "---|")
     for i, (name, samples, target, unit, suffix) in enumerate(columns[0][0]):
@@ -270,6 +281,41 @@ def main() -> None:
     for label, (_, extra) in zip(labels, columns, strict=True):
         for line in extra:
             print(f"\n{label}: {line}")
+
+
+def write_json(
+    path: str,
+    machine: str,
+    versions: list[str],
+    columns: list[tuple[list[Stat], list[str]]],
+    load: tuple[float, float],
+) -> None:
+    """The run's samples as JSON: ``{"machine", "servers": [{"version", "measurements"}]}``.
+
+    Each measurement has its ``name``, ``samples`` in seconds (raw, unsorted),
+    the table's ``unit`` factor and ``suffix``, and its ``target``;
+    ``load_average`` is the 1-minute load at the start and at the end.
+    """
+    servers = [
+        {
+            "version": version,
+            "measurements": [
+                {"name": name, "samples": samples, "unit": unit, "suffix": suffix, "target": target}
+                for name, samples, target, unit, suffix in stats
+            ],
+            "notes": extra,
+        }
+        for version, (stats, extra) in zip(versions, columns, strict=True)
+    ]
+    document = {
+        "benchmark": "core",
+        "machine": machine,
+        "load_average": [round(v, 2) for v in load],
+        "servers": servers,
+    }
+    with open(path, "w") as out:
+        json.dump(document, out, indent=1)
+        out.write("\n")
 
 
 async def _create_bucket(url: str, ttl: float) -> None:

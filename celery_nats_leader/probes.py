@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -163,6 +165,20 @@ class ProbeServer:
         )
         thread.start()
         self._server, self._thread = server, thread
+        # A forked child (a prefork pool process, the beat of ``worker -B``)
+        # gets a copy of the listening socket but not the thread serving it:
+        # it closes its copy, so the port is only ever held by the process
+        # that answers on it, and a close() in the child does not wait for
+        # a thread that does not exist there.
+        this = weakref.ref(self)
+
+        def forget_in_child() -> None:
+            probes = this()
+            if probes is not None and probes._server is server:
+                server.socket.close()
+                probes._server = probes._thread = None
+
+        os.register_at_fork(after_in_child=forget_in_child)
         bound = int(server.server_address[1])
         logger.info(
             "serving /healthz, /readyz%s on http://%s:%d",

@@ -129,6 +129,12 @@ class LeaderSettings:
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (extra ``metrics``)."""
 
+    beat_metrics_port: int | None = None
+    """Serve a beat scheduler's ``/healthz``, ``/readyz`` and ``/metrics`` on this
+    port: required for the embedded beat of ``celery worker -B`` (a child
+    process; the worker holds ``metrics_port``), and used instead of
+    ``metrics_port`` by a standalone beat when set."""
+
     metrics_address: str = "0.0.0.0"
     """Address the metrics endpoint listens on (``127.0.0.1`` to keep it local)."""
 
@@ -278,6 +284,16 @@ class LeaderSettings:
             )
         if self.metrics_port is not None and not (0 <= int(self.metrics_port) <= 65535):
             raise ConfigError(f"metrics_port={self.metrics_port!r} must be a TCP port (0-65535)")
+        if self.beat_metrics_port is not None and not (0 <= int(self.beat_metrics_port) <= 65535):
+            raise ConfigError(
+                f"beat_metrics_port={self.beat_metrics_port!r} must be a TCP port (0-65535)"
+            )
+        if self.beat_metrics_port and self.beat_metrics_port == self.metrics_port:
+            # With ``worker -B`` both run in one host: the second bind would fail.
+            raise ConfigError(
+                f"beat_metrics_port={self.beat_metrics_port!r} is metrics_port too; give beat "
+                "a port of its own (with `celery worker -B` the worker holds metrics_port)"
+            )
         if (
             isinstance(self.start_timeout, bool)
             or not isinstance(self.start_timeout, (int, float))

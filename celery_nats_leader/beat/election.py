@@ -55,6 +55,8 @@ class BeatElection:
         settings: The scheduler's settings.
         config: The beat role's election config (with the scheduler's meta).
         make_elector: Builds the elector (tests pass an in-memory one).
+        watch: Called with the elector once the beat role is added, before it
+            starts (the scheduler's Prometheus observer watches it there).
 
     """
 
@@ -63,10 +65,12 @@ class BeatElection:
         settings: LeaderSettings,
         config: ElectionConfig,
         make_elector: Callable[[], Elector],
+        watch: Callable[[Elector], None] | None = None,
     ) -> None:
         self.settings = settings
         self.config = config
         self._make_elector = make_elector
+        self._watch = watch
         self.elector: Elector | None = None
         self.handle: RoleHandle | None = None
         self.store: ScheduleStateStore | None = None
@@ -98,6 +102,8 @@ class BeatElection:
         handle.on_promote(self._promoted)
         handle.on_demote(self._demoted)
         self.elector, self.handle = elector, handle
+        if self._watch is not None:
+            self._watch(elector)
         # State operations get a little more room than election reads: a
         # commit whose answer is late is reconciled, never retried blindly.
         self.store = ScheduleStateStore(

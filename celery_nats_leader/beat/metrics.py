@@ -12,8 +12,10 @@ be alerted on (a tick lost, sends failing, ticks skipped by catch-up):
 * ``skipped``: overdue ticks jumped over by catch-up (``beat_max_catch_up``);
 * ``send_failed``: sends that raised (each attempt).
 
-With ``nats_leader_metrics_port`` the counters are served with the election
-metrics as ``nats_leader_beat_ticks_total{role, instance_id, entry, outcome}``
+With ``nats_leader_metrics_port`` (a standalone beat) or
+``nats_leader_beat_metrics_port`` (also ``celery worker -B``) the counters are
+served with the election metrics as
+``nats_leader_beat_ticks_total{role, instance_id, entry, outcome}``
 (the prefix is ``nats_leader_metrics_namespace``).
 This module imports neither Celery nor Django; ``prometheus-client`` only
 when :meth:`TickMetrics.export_to` is called.

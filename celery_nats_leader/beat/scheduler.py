@@ -154,7 +154,7 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         self.nats_leader_settings = self.leader_settings(app)
         settings = self.nats_leader_settings
         self.nats_leader_election = BeatElection(
-            settings, self._election_config(settings), self.make_elector
+            settings, self._election_config(settings), self.make_elector, self._watch_elector
         )
         window = settings.catch_up_window()
         self.nats_leader_planner = TickPlanner(
@@ -164,15 +164,15 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             window=timedelta(seconds=window) if window < _NO_WINDOW_SECONDS else None,
         )
         self.nats_leader_dispatcher: TickDispatcher | None = None
-        #: Tick counters by entry and outcome (served with ``nats_leader_metrics_port``).
+        #: Tick counters by entry and outcome (served on :func:`beat_metrics_port`).
         self.nats_leader_metrics = TickMetrics(settings.beat_role, settings.instance_id)
-        #: The election metrics (``None`` unless ``nats_leader_metrics_port`` is set).
+        #: The election metrics (``None`` unless beat has a metrics port).
         self.nats_leader_observer: PrometheusObserver | None = None
         #: The port the metrics are served on, once served.
         self.nats_leader_metrics_port: int | None = None
-        #: ``/healthz``, ``/readyz`` and ``/metrics`` on that port (a standalone beat).
+        #: ``/healthz``, ``/readyz`` and ``/metrics`` on that port.
         self.nats_leader_probes: ProbeServer | None = None
-        if settings.metrics_port is not None:
+        if beat_metrics_port(settings) is not None:
             # Imported only when asked for: prometheus-client is an optional extra.
             from celery_nats_leader.prometheus import PrometheusObserver
 
@@ -439,18 +439,23 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
 
     def _serve_metrics(self) -> None:
         observer, settings = self.nats_leader_observer, self.nats_leader_settings
-        if observer is None or settings.metrics_port is None or self.nats_leader_metrics_port:
+        if self.nats_leader_metrics_port:
             return
-        if _embedded():
-            # ``celery worker -B``: the worker serves nats_leader_metrics_port.
-            logger.info(
-                "nats-leader beat: embedded in a worker, which serves nats_leader_metrics_port; "
-                "run beat as its own process to export its tick metrics"
-            )
+        port = beat_metrics_port(settings)
+        if observer is None or port is None:
+            if _embedded() and settings.metrics_port is not None:
+                # ``celery worker -B``: the worker's port serves the worker's
+                # elections; this child process needs a port of its own.
+                logger.info(
+                    "nats-leader beat: embedded in a worker, which serves "
+                    "nats_leader_metrics_port for its own roles; set "
+                    "nats_leader_beat_metrics_port to serve beat's probes and metrics"
+                )
             return
-        port = int(settings.metrics_port)
+        setting = "beat_metrics_port" if settings.beat_metrics_port is not None else "metrics_port"
         # The worker's probes, on the beat's election (started after this:
-        # until then neither probe passes).
+        # until then neither probe passes). In ``worker -B`` this runs in the
+        # beat's own process, after the fork: its thread and socket are its own.
         probes = ProbeServer(
             live=lambda: self._probe(liveness),
             ready=lambda: self._probe(readiness),
@@ -460,10 +465,16 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             self.nats_leader_metrics_port = probes.serve(port, settings.metrics_address)
         except OSError as exc:
             raise ConfigError(
-                f"nats_leader_metrics_port={port}: cannot serve metrics on "
+                f"nats_leader_{setting}={port}: cannot serve metrics on "
                 f"{settings.metrics_address}:{port} ({exc}); pick a free port or unset it"
             ) from exc
         self.nats_leader_probes = probes
+
+    def _watch_elector(self, elector: Elector) -> None:
+        # The connection gauge, leaders seen, leaderless time, TTL and ends of
+        # terms: what the shipped alerts read, for beat as for a worker.
+        if self.nats_leader_observer is not None:
+            self.nats_leader_observer.watch_elector(elector, self.instance_id)
 
     def _probe(self, check: Callable[[Elector], ProbeResult]) -> ProbeResult:
         elector = self.nats_leader_election.elector
@@ -789,6 +800,20 @@ _NO_WINDOW_SECONDS = 1e13
 
 #: Modules whose schedules' ``is_due()`` is plain "is a slot due" (see ``catches_up``).
 STANDARD_IS_DUE_MODULES = frozenset({"celery.schedules", "django_celery_beat.tzcrontab"})
+
+
+def beat_metrics_port(settings: LeaderSettings) -> int | None:
+    """The port a beat scheduler serves its probes and metrics on, or ``None``.
+
+    ``nats_leader_beat_metrics_port`` when set; otherwise a standalone beat
+    uses ``nats_leader_metrics_port``, and the embedded beat of ``celery
+    worker -B`` serves nothing (its worker already holds that port).
+    """
+    if settings.beat_metrics_port is not None:
+        return int(settings.beat_metrics_port)
+    if settings.metrics_port is None or _embedded():
+        return None
+    return int(settings.metrics_port)
 
 
 def _embedded() -> bool:

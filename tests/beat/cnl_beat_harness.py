@@ -341,13 +341,18 @@ class BeatCluster:
         self.beats.append(proc)
         return proc
 
-    def start_embedded(self) -> Proc:
+    def start_embedded(self, extra: dict[str, Any] | None = None) -> Proc:
         """A worker with its embedded beat (``celery worker -B``).
 
         It consumes a queue of its own, so that stopping it at the end loses
-        no tick: the plain worker executes them.
+        no tick: the plain worker executes them. ``extra`` adds
+        ``nats_leader_*`` settings for this process only (its ports).
         """
         index = len(self.embedded)
+        env = self.env
+        if extra:
+            config = dict(self.config, extra={**self.config["extra"], **extra})
+            env["CNL_BEAT_CONFIG"] = json.dumps(config)
         proc = Proc(
             f"worker-B{index}",
             [
@@ -372,7 +377,7 @@ class BeatCluster:
                 "-l",
                 "INFO",
             ],
-            env=self.env,
+            env=env,
             log_path=self.tmp / f"worker-B{index}.log",
             cwd=HERE,
         )

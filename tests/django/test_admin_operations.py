@@ -7,6 +7,7 @@ and the confirmation page.
 
 from __future__ import annotations
 
+import os
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,13 @@ from django.contrib.auth.models import Permission, User
 from django.core.management import call_command
 from django.test import Client
 
+from django_nats_leader.timeline import BAR_HEIGHT
 from tests.django.conftest import Candidates
 from tests.django.test_admin import browser  # noqa: F401 - the headless Chromium fixture
+from tests.support import REPO
 
 URL = "/admin/django_nats_leader/electionstatus/"
+DOCS_SCREENSHOT = os.environ.get("CNL_DOCS_SCREENSHOT") == "1"
 
 pytestmark = [pytest.mark.django_db, pytest.mark.integration]
 
@@ -34,6 +38,35 @@ def history(candidates: Candidates, nats_leader: Any) -> Candidates:
     call_command("election_resign", "default", stdout=StringIO())
     assert candidates.handle("cand-b").wait_for_leadership(5)
     return candidates
+
+
+def check_timeline_pixels(chart: Any, path: Path) -> None:
+    """What the browser drew for the timeline: its size, the bars' colours on screen.
+
+    The element's screenshot is read back pixel by pixel: it has the size the
+    page gives the chart, the background strip before the first term, and the
+    current leader's bar (the latest, widest term) in its own colour.
+    """
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+
+    assert chart.screenshot(str(path))
+    with Image.open(path) as shot:
+        image = shot.convert("RGB")
+    size = chart.size
+    assert image.size == (round(size["width"]), round(size["height"]))
+    assert image.size[0] >= 600, image.size  # readable, not squeezed
+    scale = image.size[0] / float(chart.get_attribute("width"))
+    assert image.getpixel((1, round(4 * scale))) == (0xEE, 0xEE, 0xEE)  # before the first term
+    bars = chart.find_elements(By.CSS_SELECTOR, "g.term rect")
+    current = bars[-1]
+    left, width = float(current.get_attribute("x")), float(current.get_attribute("width"))
+    assert width * scale >= 50, f"the current term is {width * scale:.0f} px wide"
+    # Top middle of the bar: inside its fill, above the label text.
+    x, y = round((left + width / 2) * scale), round(5 * scale)
+    fill = current.get_attribute("fill").lstrip("#")
+    assert image.getpixel((x, y)) == tuple(int(fill[i : i + 2], 16) for i in (0, 2, 4))
+    assert y < BAR_HEIGHT * scale
 
 
 def operator(client: Client | None = None, *, allowed: bool) -> User:
@@ -132,6 +165,12 @@ def test_fence_from_the_admin_in_chromium(
     ]
     status_shot = tmp_path / "status-with-history.png"
     assert browser.save_screenshot(str(status_shot))
+    check_timeline_pixels(chart, tmp_path / "timeline.png")
+    if DOCS_SCREENSHOT:
+        # CNL_DOCS_SCREENSHOT=1 refreshes the picture docs/django.md shows.
+        (REPO / "docs" / "images" / "admin-election-status.png").write_bytes(
+            status_shot.read_bytes()
+        )
 
     browser.find_element(By.CSS_SELECTOR, 'tr[data-role="default"] a.fence').click()
     wait.until(expected_conditions.presence_of_element_located((By.ID, "election-confirm")))

@@ -7,6 +7,7 @@ fails here.
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import subprocess
@@ -31,6 +32,14 @@ def test_mkdocs_build_strict_has_no_warning(tmp_path: Path) -> None:
     assert "WARNING" not in result.stderr, result.stderr
     pages = sorted(p.parent.name for p in tmp_path.glob("*/index.html"))
     assert "getting-started" in pages and "design" in pages, pages
+    # The home page's diagram of a term's life is a Mermaid block the theme
+    # draws (the custom fence is configured), not a code listing.
+    home = html.unescape((tmp_path / "index.html").read_text())
+    (diagram,) = re.findall(r'<pre class="mermaid"><code>(.*?)</code></pre>', home, re.S)
+    assert diagram.startswith("sequenceDiagram")
+    phases = re.findall(r"rect [^\n]+\n\s+Note over [\w,]+: ([\w-]+)", diagram)
+    assert phases == ["campaign", "renew", "hand-over", "crash", "fence"]
+    assert "refused: 12 < floor 15" in diagram
 
 
 README = ROOT / "README.md"

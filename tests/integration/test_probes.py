@@ -8,10 +8,12 @@ loop is blocked.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,3 +110,38 @@ def test_a_blocked_election_loop_fails_liveness(replica: tuple[Elector, int]) ->
         release.set()
         future.result(10)
     assert get(port, "/healthz")[0] == 200
+
+
+def test_a_forked_child_does_not_hold_the_probe_port(replica: tuple[Elector, int]) -> None:
+    # A prefork pool process or the beat of ``worker -B`` is a fork of the
+    # worker: it must not keep the worker's listening socket (nothing would
+    # answer on it there, and it would keep the port after the worker died).
+    elector, _ = replica
+    probes = ProbeServer.for_elector(elector)
+    bound = probes.serve(0, "127.0.0.1")
+    fd = probes._server.fileno() if probes._server is not None else -1
+    assert fd >= 0
+    with warnings.catch_warnings():
+        # Python 3.12+ warns about fork() with threads running; that is the case tested.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: its copy is closed, and close() returns at once
+        try:
+            closed = probes._server is None
+            try:
+                os.fstat(fd)
+            except OSError:
+                pass
+            else:
+                closed = False
+            probes.close()
+        finally:
+            os._exit(0 if closed else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    try:
+        # The parent still answers (not started yet: its loop does not run).
+        code, body = get(bound, "/healthz")
+        assert (code, body["checks"]["election_loop"]) == (503, False)
+    finally:
+        probes.close()

@@ -94,6 +94,18 @@ def test_metrics_namespace_from_celery_and_django_settings() -> None:
             LeaderSettings(metrics_namespace=bad)
 
 
+def test_beat_metrics_port_is_a_port_of_its_own() -> None:
+    settings = LeaderSettings.from_celery(
+        {"nats_leader_metrics_port": 9808, "nats_leader_beat_metrics_port": 9809}
+    )
+    assert (settings.metrics_port, settings.beat_metrics_port) == (9808, 9809)
+    assert LeaderSettings.from_mapping({"BEAT_METRICS_PORT": 0}).beat_metrics_port == 0
+    with pytest.raises(ConfigError, match=r"beat_metrics_port=9808 is metrics_port too"):
+        LeaderSettings(metrics_port=9808, beat_metrics_port=9808)
+    with pytest.raises(ConfigError, match=r"beat_metrics_port=70000 must be a TCP port"):
+        LeaderSettings(beat_metrics_port=70000)
+
+
 def test_settings_per_role_options_and_errors() -> None:
     settings = LeaderSettings.from_mapping(
         {"TTL": 6, "ROLES": "default,reports", "ROLE_OPTIONS": {"reports": {"priority": 5}}}
