@@ -25,7 +25,6 @@ unlike in long-lived processes).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import socket
@@ -36,6 +35,7 @@ from typing import Any
 import click
 
 from celery_nats_leader import constants as c
+from celery_nats_leader.backend import Backend
 from celery_nats_leader.config import validate_bucket, validate_key
 from celery_nats_leader.election import control_subject
 from celery_nats_leader.errors import (
@@ -45,7 +45,6 @@ from celery_nats_leader.errors import (
     NotLeaderError,
 )
 from celery_nats_leader.events import TransitionEvent
-from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.bucket import (
     BucketAction,
     BucketOutcome,
@@ -63,7 +62,7 @@ from celery_nats_leader.ops.events import (
     stream_info,
 )
 from celery_nats_leader.ops.fence import DEFAULT_HANDOVER_WAIT, request_fence
-from celery_nats_leader.ops.oneshot import operator_name
+from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.ops.resign import outcome_lines, outcome_to_dict, request_resignation
 from celery_nats_leader.ops.status import RoleStatus, read_status
 from celery_nats_leader.settings import LeaderSettings
@@ -73,6 +72,9 @@ __all__ = ["nats_leader"]
 EXIT_OK = 0
 EXIT_NO_LEADER = 1
 EXIT_ERROR = 2
+
+#: The name of the CLI's connections in NATS monitoring.
+CONNECTION_NAME = "celery-nats-leader-cli"
 
 
 def _settings(ctx: click.Context) -> LeaderSettings:
@@ -97,20 +99,22 @@ def _check_role(ctx: click.Context, role: str) -> None:
         ctx.exit(EXIT_ERROR)
 
 
-async def _read(
+def _read(
     settings: LeaderSettings, roles: Sequence[str], timeout: float, window: float
 ) -> list[RoleStatus]:
-    async with await open_backend(
-        settings.connection, timeout=timeout, name="celery-nats-leader-cli"
-    ) as backend:
-        return await read_status(
+    return with_backend(
+        settings,
+        lambda backend: read_status(
             backend,
             settings.bucket,
             roles=roles,
             timeout=timeout,
             roster_window=window,
             strategy=settings.strategy,
-        )
+        ),
+        timeout=timeout,
+        name=CONNECTION_NAME,
+    )
 
 
 def _table(statuses: Sequence[RoleStatus], configured: Sequence[str]) -> str:
@@ -190,7 +194,7 @@ def status(
     settings = _settings(ctx)
     configured = list(dict.fromkeys([*settings.roles, *extra_roles]))
     try:
-        statuses = asyncio.run(_read(settings, configured, timeout, window))
+        statuses = _read(settings, configured, timeout, window)
     except ElectionError as exc:
         click.echo(
             f"Error: cannot read the elections of bucket {settings.bucket!r}: {exc}", err=True
@@ -397,35 +401,35 @@ def bucket(
 
     floor: EpochFloor | None = None
 
-    async def run() -> tuple[list[BucketOutcome], StreamInfo | None]:
+    async def run(backend: Backend) -> tuple[list[BucketOutcome], StreamInfo | None]:
         nonlocal floor
-        name = operator_name("celery nats-leader bucket")
-        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
-            if migrating:
-                first, floor = await migrate_bucket(
-                    backend, wanted[0], source=migrate_from, floor=epoch_floor or 0, timeout=timeout
+        if migrating:
+            first, floor = await migrate_bucket(
+                backend, wanted[0], source=migrate_from, floor=epoch_floor or 0, timeout=timeout
+            )
+            rest = await apply_to_buckets(backend, wanted[1:], action, timeout=timeout)
+            found = [first, *rest]
+        else:
+            found = await apply_to_buckets(backend, wanted, action, timeout=timeout)
+        stream = None
+        if events_max_age is not None and action != "delete":
+            stream = (
+                await ensure_events_stream(
+                    backend,
+                    wanted[0].name,
+                    max_age=events_max_age,
+                    replicas=settings.bucket_replicas,
+                    timeout=timeout,
                 )
-                rest = await apply_to_buckets(backend, wanted[1:], action, timeout=timeout)
-                found = [first, *rest]
-            else:
-                found = await apply_to_buckets(backend, wanted, action, timeout=timeout)
-            stream = None
-            if events_max_age is not None and action != "delete":
-                stream = (
-                    await ensure_events_stream(
-                        backend,
-                        wanted[0].name,
-                        max_age=events_max_age,
-                        replicas=settings.bucket_replicas,
-                        timeout=timeout,
-                    )
-                    if action == "create"
-                    else await stream_info(backend, wanted[0].name, timeout=timeout)
-                )
-            return found, stream
+                if action == "create"
+                else await stream_info(backend, wanted[0].name, timeout=timeout)
+            )
+        return found, stream
 
     try:
-        outcomes, stream = asyncio.run(run())
+        outcomes, stream = with_backend(
+            settings, run, timeout=timeout, name=operator_name("celery nats-leader bucket")
+        )
     except ElectionError as exc:
         click.echo(f"Error: cannot use the buckets: {exc}", err=True)
         ctx.exit(EXIT_ERROR)
@@ -462,12 +466,10 @@ _STYLES: dict[str, dict[str, Any]] = {
 }
 
 
-async def _ask_to_resign(
+def _ask_to_resign(
     settings: LeaderSettings, role: str, leader_id: str, timeout: float
 ) -> dict[str, Any] | None:
-    async with await open_backend(
-        settings.connection, timeout=timeout, name="celery-nats-leader-cli"
-    ) as backend:
+    async def ask(backend: Backend) -> dict[str, Any] | None:
         # Naming the leader: only that process steps down, never a successor.
         body = {"requester": operator_name("celery nats-leader release"), "id": leader_id}
         try:
@@ -480,6 +482,8 @@ async def _ask_to_resign(
             return None
         answer = json.loads(reply)
         return answer if isinstance(answer, dict) else None
+
+    return with_backend(settings, ask, timeout=timeout, name=CONNECTION_NAME)
 
 
 @nats_leader.command()
@@ -501,7 +505,7 @@ def release(ctx: click.Context, host: str | None, timeout: float) -> None:
     settings = _settings(ctx)
     host = host or socket.gethostname()
     try:
-        statuses = asyncio.run(_read(settings, list(settings.roles), timeout, 0.0))
+        statuses = _read(settings, list(settings.roles), timeout, 0.0)
     except ElectionError as exc:
         click.echo(f"Error: {exc}", err=True)
         ctx.exit(EXIT_ERROR)
@@ -510,7 +514,7 @@ def release(ctx: click.Context, host: str | None, timeout: float) -> None:
         click.echo(f"no role of bucket {settings.bucket!r} is led from {host}")
     for one in here:
         assert one.leader_id is not None
-        answer = asyncio.run(_ask_to_resign(settings, one.role, one.leader_id, timeout))
+        answer = _ask_to_resign(settings, one.role, one.leader_id, timeout)
         accepted = bool(answer and answer.get("accepted"))
         click.echo(
             f"{one.role}: {one.leader_id} {'stepping down' if accepted else 'did not step down'}"
@@ -594,7 +598,7 @@ def fence(
     ctx.exit(EXIT_OK)
 
 
-async def _events(
+def _events(
     settings: LeaderSettings,
     *,
     role: str | None,
@@ -608,10 +612,9 @@ async def _events(
         text = json.dumps(event.to_dict(), sort_keys=True) if as_json else event.describe()
         click.echo(text)
 
-    async with await open_backend(
-        settings.connection, timeout=timeout, name="celery-nats-leader-cli"
-    ) as backend:
-        return await show_events(
+    return with_backend(
+        settings,
+        lambda backend: show_events(
             backend,
             settings.bucket,
             emit,
@@ -620,7 +623,10 @@ async def _events(
             limit=limit,
             count=count,
             timeout=timeout,
-        )
+        ),
+        timeout=timeout,
+        name=CONNECTION_NAME,
+    )
 
 
 @nats_leader.command()
@@ -649,16 +655,14 @@ def events(
     """
     settings = _settings(ctx)
     try:
-        kept = asyncio.run(
-            _events(
-                settings,
-                role=role,
-                follow=follow,
-                limit=limit,
-                count=count,
-                as_json=as_json,
-                timeout=timeout,
-            )
+        kept = _events(
+            settings,
+            role=role,
+            follow=follow,
+            limit=limit,
+            count=count,
+            as_json=as_json,
+            timeout=timeout,
         )
     except KeyboardInterrupt:
         ctx.exit(EXIT_OK)

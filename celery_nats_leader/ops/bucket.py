@@ -20,8 +20,7 @@ from celery_nats_leader.errors import (
     ElectionError,
     JetStreamUnavailableError,
 )
-from celery_nats_leader.nats import open_backend
-from celery_nats_leader.ops.oneshot import operator_name
+from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import ALLCALL_EPOCH_FLOOR
 
@@ -491,19 +490,20 @@ class ProbeResult:
     buckets: dict[str, BucketInfo | None] = field(default_factory=dict)
 
 
-async def probe(settings: LeaderSettings, buckets: Iterable[str], *, timeout: float) -> ProbeResult:
-    """Connect and look up ``buckets``, for the ``check --deploy`` checks."""
+def probe(settings: LeaderSettings, buckets: Iterable[str], *, timeout: float) -> ProbeResult:
+    """Connect and look up ``buckets``, for the ``check --deploy`` checks (synchronous)."""
+
+    async def look(backend: Backend) -> ProbeResult:
+        found: dict[str, BucketInfo | None] = {}
+        for name in buckets:
+            try:
+                found[name] = await backend.bucket_info(name, timeout=timeout)
+            except BucketNotFoundError:
+                found[name] = None
+        return ProbeResult(reachable=True, buckets=found)
+
     try:
-        async with await open_backend(
-            settings.connection, timeout=timeout, name=operator_name("check")
-        ) as be:
-            found: dict[str, BucketInfo | None] = {}
-            for name in buckets:
-                try:
-                    found[name] = await be.bucket_info(name, timeout=timeout)
-                except BucketNotFoundError:
-                    found[name] = None
-            return ProbeResult(reachable=True, buckets=found)
+        return with_backend(settings, look, timeout=timeout, name=operator_name("check"))
     except JetStreamUnavailableError as exc:
         return ProbeResult(reachable=True, error=str(exc))
     except ElectionError as exc:

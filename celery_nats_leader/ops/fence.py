@@ -68,8 +68,7 @@ from celery_nats_leader.errors import (
     RecordFormatError,
     RevisionMismatchError,
 )
-from celery_nats_leader.nats import open_backend
-from celery_nats_leader.ops.oneshot import run_once
+from celery_nats_leader.ops.oneshot import with_backend
 from celery_nats_leader.record import LeaderRecord, decode_record, encode_fence
 from celery_nats_leader.settings import LeaderSettings
 
@@ -476,23 +475,21 @@ def request_fence(
 
     """
     bucket = settings.election_config(role).bucket
-
-    async def run() -> FenceOutcome:
-        async with await open_backend(
-            settings.connection, timeout=timeout, name=requester
-        ) as backend:
-            return await fence_leader(
-                backend,
-                bucket,
-                role,
-                requester=requester,
-                epoch=epoch,
-                timeout=timeout,
-                wait=wait,
-                handover_wait=handover_wait,
-            )
-
-    return run_once(run)
+    return with_backend(
+        settings,
+        lambda backend: fence_leader(
+            backend,
+            bucket,
+            role,
+            requester=requester,
+            epoch=epoch,
+            timeout=timeout,
+            wait=wait,
+            handover_wait=handover_wait,
+        ),
+        timeout=timeout,
+        name=requester,
+    )
 
 
 def wait_for_successor(
@@ -515,14 +512,12 @@ def wait_for_successor(
 
     """
     bucket = settings.election_config(outcome.role).bucket
-
-    async def run() -> FenceOutcome:
-        async with await open_backend(
-            settings.connection, timeout=timeout, name=requester
-        ) as backend:
-            return await await_successor(backend, bucket, outcome, wait=wait, timeout=timeout)
-
-    return run_once(run)
+    return with_backend(
+        settings,
+        lambda backend: await_successor(backend, bucket, outcome, wait=wait, timeout=timeout),
+        timeout=timeout,
+        name=requester,
+    )
 
 
 __all__ = [

@@ -19,8 +19,7 @@ from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, KVEntry
 from celery_nats_leader.election.base import control_subject
 from celery_nats_leader.errors import BackendTimeoutError, NotLeaderError
-from celery_nats_leader.nats import open_backend
-from celery_nats_leader.ops.oneshot import run_once
+from celery_nats_leader.ops.oneshot import with_backend
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.term import read_term, term_of
@@ -159,16 +158,14 @@ def request_resignation(
 
     """
     bucket = settings.election_config(role).bucket
-
-    async def run() -> ResignOutcome:
-        async with await open_backend(
-            settings.connection, timeout=timeout, name=requester
-        ) as backend:
-            return await resign_leader(
-                backend, bucket, role, timeout=timeout, wait=wait, requester=requester
-            )
-
-    return run_once(run)
+    return with_backend(
+        settings,
+        lambda backend: resign_leader(
+            backend, bucket, role, timeout=timeout, wait=wait, requester=requester
+        ),
+        timeout=timeout,
+        name=requester,
+    )
 
 
 def outcome_to_dict(outcome: ResignOutcome) -> dict[str, Any]:

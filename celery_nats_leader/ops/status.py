@@ -21,8 +21,7 @@ from celery_nats_leader.config import Strategy
 from celery_nats_leader.constants import DEFAULT_ROSTER_WINDOW_SECONDS, ROSTER_VERB
 from celery_nats_leader.election import control_subject
 from celery_nats_leader.errors import ElectionError, RecordFormatError
-from celery_nats_leader.nats import open_backend
-from celery_nats_leader.ops.oneshot import operator_name, run_once
+from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.record import decode_record
 from celery_nats_leader.settings import LeaderSettings
 
@@ -367,16 +366,14 @@ def fetch_report(
         ElectionError: NATS unreachable, bucket missing, ...
 
     """
-
-    async def run() -> StatusReport:
-        async with await open_backend(
-            settings.connection, timeout=timeout, name=operator_name("status")
-        ) as be:
-            return await read_report(
-                be, settings, configured_roles=configured_roles, only=only, timeout=timeout
-            )
-
-    return run_once(run)
+    return with_backend(
+        settings,
+        lambda backend: read_report(
+            backend, settings, configured_roles=configured_roles, only=only, timeout=timeout
+        ),
+        timeout=timeout,
+        name=operator_name("status"),
+    )
 
 
 async def _from_roster(backend: Backend, bucket: str, role: str, window: float) -> RoleStatus:

@@ -21,9 +21,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from celery_nats_leader.backend import Backend
 from celery_nats_leader.config import validate_bucket
 from celery_nats_leader.errors import ConfigError, ElectionError
-from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.bucket import (
     BucketAction,
     BucketOutcome,
@@ -36,24 +36,26 @@ from celery_nats_leader.ops.bucket import (
     outcome_lines,
 )
 from celery_nats_leader.ops.events import StreamInfo, ensure_events_stream, stream_info
-from celery_nats_leader.ops.oneshot import operator_name, run_once
+from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
 from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
+
+#: Who the command is, in NATS monitoring (see :func:`operator_name`).
+TOOL = "manage.py election_bucket"
 
 
 def inspect_or_create(
     settings: LeaderSettings, wanted: list[BucketTarget], *, create: bool, timeout: float
 ) -> list[BucketOutcome]:
     """Read every bucket's settings, creating the missing ones when ``create`` is set."""
-
-    async def run() -> list[BucketOutcome]:
-        name = operator_name("manage.py election_bucket")
-        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
-            action: BucketAction = "create" if create else "check"
-            return await apply_to_buckets(backend, wanted, action, timeout=timeout)
-
-    return run_once(run)
+    action: BucketAction = "create" if create else "check"
+    return with_backend(
+        settings,
+        lambda backend: apply_to_buckets(backend, wanted, action, timeout=timeout),
+        timeout=timeout,
+        name=operator_name(TOOL),
+    )
 
 
 def migrate(
@@ -66,16 +68,14 @@ def migrate(
 ) -> tuple[list[BucketOutcome], EpochFloor]:
     """Create the election bucket with its epochs above ``source``'s (and ``floor``)."""
 
-    async def run() -> tuple[list[BucketOutcome], EpochFloor]:
-        name = operator_name("manage.py election_bucket")
-        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
-            first, carried = await migrate_bucket(
-                backend, wanted[0], source=source, floor=floor, timeout=timeout
-            )
-            rest = await apply_to_buckets(backend, wanted[1:], "create", timeout=timeout)
-            return [first, *rest], carried
+    async def run(backend: Backend) -> tuple[list[BucketOutcome], EpochFloor]:
+        first, carried = await migrate_bucket(
+            backend, wanted[0], source=source, floor=floor, timeout=timeout
+        )
+        rest = await apply_to_buckets(backend, wanted[1:], "create", timeout=timeout)
+        return [first, *rest], carried
 
-    return run_once(run)
+    return with_backend(settings, run, timeout=timeout, name=operator_name(TOOL))
 
 
 def events_stream_of(
@@ -83,20 +83,18 @@ def events_stream_of(
 ) -> StreamInfo | None:
     """The bucket's events stream (created with ``create``), or ``None``."""
 
-    async def run() -> StreamInfo | None:
-        name = operator_name("manage.py election_bucket")
-        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
-            if create:
-                return await ensure_events_stream(
-                    backend,
-                    bucket,
-                    max_age=max_age,
-                    replicas=settings.bucket_replicas,
-                    timeout=timeout,
-                )
-            return await stream_info(backend, bucket, timeout=timeout)
+    async def run(backend: Backend) -> StreamInfo | None:
+        if create:
+            return await ensure_events_stream(
+                backend,
+                bucket,
+                max_age=max_age,
+                replicas=settings.bucket_replicas,
+                timeout=timeout,
+            )
+        return await stream_info(backend, bucket, timeout=timeout)
 
-    return run_once(run)
+    return with_backend(settings, run, timeout=timeout, name=operator_name(TOOL))
 
 
 class Command(BaseCommand):

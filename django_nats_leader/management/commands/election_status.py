@@ -16,9 +16,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from celery_nats_leader.backend import Backend
 from celery_nats_leader.errors import ElectionError
-from celery_nats_leader.nats import open_backend
-from celery_nats_leader.ops.oneshot import operator_name, run_once
+from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.ops.status import StatusReport, fetch_report, read_report
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
@@ -154,37 +154,37 @@ class Command(BaseCommand):
         clear = not options["json"] and self.stdout.isatty()
         last: list[StatusReport] = []
 
-        async def loop() -> None:
-            async with await open_backend(
-                settings.connection,
-                timeout=options["timeout"],
-                name=operator_name("election_status --watch"),
-            ) as backend:
-                shown = 0
-                while True:
-                    try:
-                        report = await read_report(
-                            backend,
-                            settings,
-                            configured_roles=expected,
-                            only=only,
-                            timeout=options["timeout"],
-                        )
-                    except ElectionError as exc:
-                        self.stderr.write(f"cannot read the elections: {exc}")
-                    else:
-                        last[:] = [report]
-                        at = datetime.now(timezone.utc)
-                        self._show(
-                            report, as_json=options["json"], clear=clear, refresh=(shown + 1, at)
-                        )
-                    shown += 1
-                    if count and shown >= count:
-                        return
-                    await asyncio.sleep(interval)
+        async def loop(backend: Backend) -> None:
+            shown = 0
+            while True:
+                try:
+                    report = await read_report(
+                        backend,
+                        settings,
+                        configured_roles=expected,
+                        only=only,
+                        timeout=options["timeout"],
+                    )
+                except ElectionError as exc:
+                    self.stderr.write(f"cannot read the elections: {exc}")
+                else:
+                    last[:] = [report]
+                    at = datetime.now(timezone.utc)
+                    self._show(
+                        report, as_json=options["json"], clear=clear, refresh=(shown + 1, at)
+                    )
+                shown += 1
+                if count and shown >= count:
+                    return
+                await asyncio.sleep(interval)
 
         try:
-            run_once(loop)
+            with_backend(
+                settings,
+                loop,
+                timeout=options["timeout"],
+                name=operator_name("election_status --watch"),
+            )
         except KeyboardInterrupt:
             return None  # the operator stopped watching: not a failed probe
         except ElectionError as exc:
