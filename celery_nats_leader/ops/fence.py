@@ -520,11 +520,40 @@ def wait_for_successor(
     )
 
 
+def fence_lines(outcome: FenceOutcome, wait: float) -> list[tuple[bool, str]]:
+    """The outcome in words, as both the CLI and the Django command print it.
+
+    Args:
+        outcome: What :func:`fence_leader` (and :func:`await_successor`) returned.
+        wait: The seconds it waited for a successor (``0``: it did not wait).
+
+    Returns:
+        ``(good, line)`` pairs: what ended the term, then the successor, or
+        (not good) that none came within ``wait``.
+
+    """
+    lines = [(True, outcome.describe())]
+    role = outcome.role
+    if outcome.successor is not None:
+        took = (outcome.promoted_after or 0.0) * 1000
+        lines.append(
+            (
+                True,
+                f"new leader of {role!r}: {outcome.successor.id} "
+                f"(epoch {outcome.successor.epoch}) after {took:.0f} ms",
+            )
+        )
+    elif wait > 0:
+        lines.append((False, f"no new leader of {role!r} within {wait:g}s"))
+    return lines
+
+
 __all__ = [
     "DEFAULT_HANDOVER_WAIT",
     "FenceOutcome",
     "await_successor",
     "fence_leader",
+    "fence_lines",
     "request_fence",
     "wait_for_successor",
 ]

@@ -12,14 +12,17 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, KVEntry
+from celery_nats_leader.config import Strategy
 from celery_nats_leader.election.base import control_subject
-from celery_nats_leader.errors import BackendTimeoutError, NotLeaderError
+from celery_nats_leader.errors import BackendTimeoutError, ElectionError, NotLeaderError
 from celery_nats_leader.ops.oneshot import with_backend
+from celery_nats_leader.ops.status import read_report
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.term import read_term, term_of
@@ -56,6 +59,7 @@ async def resign_leader(
     timeout: float = 5.0,
     wait: float = 5.0,
     requester: str = "an operator",
+    leader_id: str | None = None,
 ) -> ResignOutcome:
     """Ask the leader of ``role`` to step down and wait for the next term.
 
@@ -69,12 +73,16 @@ async def resign_leader(
         timeout: Seconds to wait for the leader's answer.
         wait: Seconds to wait for a successor (``0``: do not wait).
         requester: Who asks (the leader logs it).
+        leader_id: Ask only this instance: it steps down only if it still
+            leads (the request names it, so a successor never does), and
+            nobody is asked when the key names another.
 
     Returns:
         The outcome.
 
     Raises:
-        NotLeaderError: Nobody holds the role.
+        NotLeaderError: Nobody holds the role (or, with ``leader_id``,
+            another instance does).
         BackendTimeoutError: The holder did not answer (crashed, its key
             not expired yet).
 
@@ -86,6 +94,8 @@ async def resign_leader(
         previous = None  # a fence marker: the term was ended, nobody leads
     if previous is None:
         raise NotLeaderError(f"nobody leads role {role!r} in bucket {bucket!r}")
+    if leader_id is not None and previous.id != leader_id:
+        raise NotLeaderError(f"{leader_id} no longer leads role {role!r} ({previous.id} does)")
     successor: list[LeaderRecord] = []
     arrived = asyncio.Event()
 
@@ -99,7 +109,10 @@ async def resign_leader(
 
     watch = await kv.watch(role, on_entry)
     try:
-        body = json.dumps({"requester": requester}).encode()
+        request: dict[str, Any] = {"requester": requester}
+        if leader_id is not None:
+            request["id"] = leader_id
+        body = json.dumps(request).encode()
         started = time.monotonic()
         try:
             reply = await backend.request(
@@ -168,6 +181,76 @@ def request_resignation(
     )
 
 
+async def release_host(
+    backend: Backend,
+    bucket: str,
+    roles: Sequence[str],
+    host: str,
+    *,
+    timeout: float = 5.0,
+    requester: str = "an operator",
+    strategy: Strategy = "kv",
+) -> list[tuple[str, str, bool]]:
+    """Ask every leader whose record names ``host`` to step down (a preStop hook).
+
+    Args:
+        backend: A connected backend.
+        bucket: The KV bucket.
+        roles: The configured roles (every role held in the bucket is looked at too).
+        host: The ``hostname`` metadata to match (the pod name in Kubernetes).
+        timeout: Seconds per NATS operation.
+        requester: Who asks (the leaders log it).
+        strategy: The roles' strategy (``"allcall"`` has no bucket to read).
+
+    Returns:
+        ``(role, leader id, stepping down)`` for each role led from ``host``;
+        a leader that did not answer, refused, or no longer leads is not
+        stepping down. Empty when nothing is led from ``host``.
+
+    Raises:
+        ElectionError: The bucket could not be read.
+
+    """
+    report = await read_report(
+        backend,
+        bucket,
+        configured_roles=roles,
+        strategy=strategy,
+        timeout=timeout,
+        roster_window=0.0,
+    )
+    released: list[tuple[str, str, bool]] = []
+    for one in report.roles:
+        if one.leader_id is None or one.leader_meta.get("hostname") != host:
+            continue
+        try:
+            outcome = await resign_leader(
+                backend,
+                bucket,
+                one.role,
+                timeout=timeout,
+                wait=0.0,
+                requester=requester,
+                leader_id=one.leader_id,
+            )
+        except ElectionError:
+            accepted = False
+        else:
+            accepted = outcome.accepted
+        released.append((one.role, one.leader_id, accepted))
+    return released
+
+
+def release_lines(bucket: str, host: str, released: Sequence[tuple[str, str, bool]]) -> list[str]:
+    """What ``celery nats-leader release`` prints for :func:`release_host`'s answer."""
+    if not released:
+        return [f"no role of bucket {bucket!r} is led from {host}"]
+    return [
+        f"{role}: {leader} {'stepping down' if accepted else 'did not step down'}"
+        for role, leader, accepted in released
+    ]
+
+
 def outcome_to_dict(outcome: ResignOutcome) -> dict[str, Any]:
     """The ``--json`` form: role, accepted, stepped_down {id, epoch}, new_leader {id, epoch}."""
 
@@ -220,6 +303,8 @@ __all__ = [
     "ResignOutcome",
     "outcome_lines",
     "outcome_to_dict",
+    "release_host",
+    "release_lines",
     "request_resignation",
     "resign_leader",
 ]

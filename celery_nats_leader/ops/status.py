@@ -119,7 +119,7 @@ class RoleStatus:
         return body
 
 
-async def read_status(
+async def _read_roles(
     backend: Backend,
     bucket: str,
     *,
@@ -128,7 +128,7 @@ async def read_status(
     roster_window: float = DEFAULT_ROSTER_WINDOW_SECONDS,
     strategy: Strategy = "kv",
 ) -> list[RoleStatus]:
-    """List every role in ``bucket`` (and every role in ``roles``, held or not).
+    """Every role in ``bucket`` (and every role in ``roles``, held or not).
 
     Args:
         backend: A connected backend.
@@ -310,44 +310,55 @@ def role_to_dict(status: RoleStatus, *, configured: bool) -> dict[str, Any]:
 
 async def read_report(
     backend: Backend,
-    settings: LeaderSettings,
+    bucket: str,
     *,
-    configured_roles: Sequence[str],
+    configured_roles: Sequence[str] = (),
     only: Sequence[str] = (),
+    strategy: Strategy = "kv",
+    servers: Sequence[str] = (),
     timeout: float = 5.0,
     roster_window: float = c.DEFAULT_ROSTER_WINDOW_SECONDS,
 ) -> StatusReport:
-    """Read every role of the settings' bucket.
+    """Read who leads every role of ``bucket``: the one status API.
+
+    :func:`fetch_report` is the same from synchronous code, on a connection
+    of its own; every status command, the admin page and
+    :meth:`Elector.status <celery_nats_leader.elector.Elector.status>` read
+    through here.
 
     Args:
         backend: A connected backend.
-        settings: Bucket and servers.
+        bucket: The KV bucket (for ``"allcall"``: the subjects' namespace).
         configured_roles: Roles that must have a leader (listed even when unheld).
         only: If given, report just these roles (and require a leader for each).
+        strategy: ``"kv"`` reads the bucket; ``"allcall"`` has no bucket (no
+            JetStream), so the roles are reported from the live candidates
+            alone: the leader is the candidate that says it leads.
+        servers: The NATS servers asked (shown in the report's heading).
         timeout: Seconds for the KV reads.
         roster_window: Seconds to collect the live candidates' answers.
 
     Returns:
-        The report.
+        The report: one entry per role, sorted by role name.
 
     Raises:
         BucketNotFoundError: If the bucket does not exist.
 
     """
     expected = tuple(dict.fromkeys(only or configured_roles))
-    statuses = await read_status(
+    statuses = await _read_roles(
         backend,
-        settings.bucket,
+        bucket,
         roles=expected,
         timeout=timeout,
         roster_window=roster_window,
-        strategy=settings.strategy,
+        strategy=strategy,
     )
     if only:
         statuses = [s for s in statuses if s.role in expected]
     return StatusReport(
-        bucket=settings.bucket,
-        servers=tuple(settings.servers),
+        bucket=bucket,
+        servers=tuple(servers),
         configured_roles=expected,
         roles=tuple(statuses),
     )
@@ -359,8 +370,21 @@ def fetch_report(
     configured_roles: Sequence[str],
     only: Sequence[str] = (),
     timeout: float = 5.0,
+    roster_window: float = c.DEFAULT_ROSTER_WINDOW_SECONDS,
+    name: str | None = None,
 ) -> StatusReport:
-    """Synchronous :func:`read_report` on a connection of its own.
+    """Synchronous :func:`read_report` of the settings' bucket, on a connection of its own.
+
+    Args:
+        settings: Where to connect; the bucket, strategy and servers.
+        configured_roles: Roles that must have a leader (listed even when unheld).
+        only: If given, report just these roles (and require a leader for each).
+        timeout: Seconds for the connection and the KV reads.
+        roster_window: Seconds to collect the live candidates' answers.
+        name: The connection's name in NATS monitoring.
+
+    Returns:
+        The report.
 
     Raises:
         ElectionError: NATS unreachable, bucket missing, ...
@@ -369,10 +393,17 @@ def fetch_report(
     return with_backend(
         settings,
         lambda backend: read_report(
-            backend, settings, configured_roles=configured_roles, only=only, timeout=timeout
+            backend,
+            settings.bucket,
+            configured_roles=configured_roles,
+            only=only,
+            strategy=settings.strategy,
+            servers=settings.servers,
+            timeout=timeout,
+            roster_window=roster_window,
         ),
         timeout=timeout,
-        name=operator_name("status"),
+        name=name or operator_name("status"),
     )
 
 

@@ -19,16 +19,11 @@ from django.core.management.base import BaseCommand, CommandError
 from celery_nats_leader.backend import Backend
 from celery_nats_leader.errors import ElectionError
 from celery_nats_leader.ops.oneshot import operator_name, with_backend
+from celery_nats_leader.ops.output import EXIT_ERROR, EXIT_NO_LEADER, status_text
 from celery_nats_leader.ops.status import StatusReport, fetch_report, read_report
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
-from django_nats_leader.management.common import (
-    EXIT_ERROR,
-    EXIT_NO_LEADER,
-    checked_role,
-    load_settings,
-)
-from django_nats_leader.render import status_text
+from django_nats_leader.management.common import checked_role, load_settings
 
 
 def _iso(at: datetime) -> str:
@@ -160,9 +155,11 @@ class Command(BaseCommand):
                 try:
                     report = await read_report(
                         backend,
-                        settings,
+                        settings.bucket,
                         configured_roles=expected,
                         only=only,
+                        strategy=settings.strategy,
+                        servers=settings.servers,
                         timeout=options["timeout"],
                     )
                 except ElectionError as exc:
