@@ -1,4 +1,7 @@
-"""What every election strategy shares: states, callbacks and lifecycle plumbing.
+"""What every election strategy shares: callbacks and lifecycle plumbing.
+
+The words it uses (states, demote reasons, callback types, subjects) are in
+:mod:`celery_nats_leader.election.vocabulary`; they are importable from here too.
 
 :class:`BaseElection` holds the state and the machinery that do not depend on
 how a leader is chosen: the callback registry and its runner, the lease
@@ -23,12 +26,10 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import enum
 import json
 import logging
 import random
 from collections import deque
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery_nats_leader import constants as c
@@ -38,8 +39,19 @@ from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election.callbacks import CallbackRunner
 from celery_nats_leader.election.health import watch_health
 from celery_nats_leader.election.observer import ElectionObserver, NullObserver
+from celery_nats_leader.election.vocabulary import (
+    DemoteCallback,
+    DemoteReason,
+    ElectionState,
+    ErrorCallback,
+    LeaderChangeCallback,
+    PromoteCallback,
+    TransitionHook,
+    control_subject,
+    event_subject,
+)
 from celery_nats_leader.errors import ConfigError, ElectionError, ElectionStoppedError
-from celery_nats_leader.events import EventKind, TransitionEvent, event_subject, kind_of
+from celery_nats_leader.events import EventKind, TransitionEvent, kind_of
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
 
@@ -52,64 +64,6 @@ if TYPE_CHECKING:
     from celery_nats_leader.nats.connection import ConnectOptions
 
 logger = logging.getLogger(__name__)
-
-
-class ElectionState(str, enum.Enum):
-    """Where an election is in its life."""
-
-    INIT = "init"
-    CANDIDATE = "candidate"
-    LEADER = "leader"
-    FOLLOWER = "follower"
-    STOPPED = "stopped"
-
-
-class DemoteReason(str, enum.Enum):
-    """Why a leader stopped leading (passed to demote callbacks)."""
-
-    STOPPED = "stopped"
-    """:meth:`BaseElection.stop` was called."""
-    RESIGNED = "resigned"
-    """:meth:`BaseElection.resign` was called, or an operator asked."""
-    TAKEOVER = "takeover"
-    """A higher-priority candidate politely asked for the role."""
-    LEASE_EXPIRED = "lease_expired"
-    """No renewal was confirmed before the local lease deadline."""
-    REVISION_CHANGED = "revision_changed"
-    """Someone else wrote the key: the term is over."""
-    KEY_DELETED = "key_deleted"
-    """The key was deleted by someone else."""
-    TOKEN_MISMATCH = "token_mismatch"
-    """Validation found another term's token in the key."""
-    DISCONNECTED = "disconnected"
-    """The NATS connection was down longer than the disconnect grace."""
-    HEALTH_CHECK_FAILED = "health_check_failed"
-    """The health check failed too many times in a row."""
-    FENCED = "fenced"
-    """An operator fenced the term (``nats-leader fence``): it ended at once."""
-    ERROR = "error"
-    """A permanent error (bucket deleted, permission denied) ended the election."""
-
-
-PromoteCallback = Callable[[FencingToken], "Awaitable[None] | None"]
-DemoteCallback = Callable[[DemoteReason], "Awaitable[None] | None"]
-LeaderChangeCallback = Callable[["LeaderRecord | None"], "Awaitable[None] | None"]
-ErrorCallback = Callable[[ElectionError], "Awaitable[None] | None"]
-
-
-def control_subject(bucket: str, role: str, verb: str) -> str:
-    """Subject of the request/reply side channel of one role.
-
-    Args:
-        bucket: The KV bucket.
-        role: The role.
-        verb: ``roster`` or ``resign``.
-
-    Returns:
-        ``_NATS_LEADER.<bucket>.<role>.<verb>``.
-
-    """
-    return f"{c.CONTROL_SUBJECT_PREFIX}.{bucket}.{role}.{verb}"
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -217,7 +171,7 @@ class BaseElection(abc.ABC):
         # Called synchronously on the loop at every state change (leader
         # services must be told to stop at that instant, not after the
         # callbacks queued before them).
-        self._transition_hooks: list[Callable[[ElectionState, ElectionState], None]] = []
+        self._transition_hooks: list[TransitionHook] = []
         # Why the term is ending, set just before the state leaves LEADER so
         # that the hooks can tell the services (consumed by _set_state).
         self._ending_reason: DemoteReason | None = None
@@ -402,12 +356,33 @@ class BaseElection(abc.ABC):
 
         return LeadingScope(self, timeout)
 
-    def _add_transition_hook(self, hook: Callable[[ElectionState, ElectionState], None]) -> None:
+    def add_transition_hook(self, hook: TransitionHook) -> None:
+        """Call ``hook(old, new)`` synchronously on the loop at every state change.
+
+        For leader services (:mod:`celery_nats_leader.election.services`),
+        which must be told at the instant a term ends, not after the
+        callbacks queued before them.
+        """
         self._transition_hooks.append(hook)
 
-    def _remove_transition_hook(self, hook: Callable[[ElectionState, ElectionState], None]) -> None:
+    def remove_transition_hook(self, hook: TransitionHook) -> None:
+        """Stop calling ``hook`` (no error if it was not added)."""
         with contextlib.suppress(ValueError):
             self._transition_hooks.remove(hook)
+
+    @property
+    def recorded_state(self) -> ElectionState:
+        """The state as last set, without the lease check that :attr:`state` makes."""
+        return self._state
+
+    @property
+    def ending_reason(self) -> DemoteReason | None:
+        """Why the term is ending, while it ends; else ``None``.
+
+        Set just before the state leaves LEADER and cleared once the
+        transition hooks have run, so the hooks can tell the leader services.
+        """
+        return self._ending_reason
 
     @abc.abstractmethod
     async def start(self, *, wait: float | None = None) -> None:
@@ -652,7 +627,7 @@ class BaseElection(abc.ABC):
     def _notify_demoted(self, reason: DemoteReason) -> asyncio.Future[None]:
         """Publish the end of the term (its kind follows ``reason``), then run the callbacks."""
         term_age = round(self._clock.monotonic() - self._term_started_at, 3)
-        self._emit(kind_of(reason.value), reason.value, term_age)
+        self._emit(kind_of(reason), reason.value, term_age)
         return self._callbacks.submit(self._demote_callbacks, reason)
 
     async def _demote_callbacks_done(self, done: asyncio.Future[None]) -> bool:

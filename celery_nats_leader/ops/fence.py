@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, KVEntry, Operation
-from celery_nats_leader.election.base import control_subject
+from celery_nats_leader.election.vocabulary import control_subject
 from celery_nats_leader.errors import (
     BackendTimeoutError,
     ElectionError,

@@ -19,7 +19,7 @@ from typing import Any
 from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, KVEntry
 from celery_nats_leader.config import Strategy
-from celery_nats_leader.election.base import control_subject
+from celery_nats_leader.election.vocabulary import control_subject
 from celery_nats_leader.errors import BackendTimeoutError, ElectionError, NotLeaderError
 from celery_nats_leader.ops.oneshot import with_backend
 from celery_nats_leader.ops.status import read_report

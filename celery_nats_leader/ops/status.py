@@ -19,7 +19,7 @@ from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend
 from celery_nats_leader.config import Strategy
 from celery_nats_leader.constants import DEFAULT_ROSTER_WINDOW_SECONDS, ROSTER_VERB
-from celery_nats_leader.election import control_subject
+from celery_nats_leader.election.vocabulary import control_subject
 from celery_nats_leader.errors import ElectionError, RecordFormatError
 from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.record import decode_record
