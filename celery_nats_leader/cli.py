@@ -25,7 +25,6 @@ unlike in long-lived processes).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import socket
 import sys
@@ -48,18 +47,14 @@ from celery_nats_leader.ops.bucket import (
     BucketAction,
     BucketOutcome,
     EpochFloor,
-    apply_to_buckets,
     bucket_targets,
+    buckets_document,
+    events_stream_of,
     floor_lines,
-    migrate_bucket,
+    set_up_buckets,
 )
 from celery_nats_leader.ops.bucket import outcome_lines as bucket_lines
-from celery_nats_leader.ops.events import (
-    StreamInfo,
-    ensure_events_stream,
-    show_events,
-    stream_info,
-)
+from celery_nats_leader.ops.events import StreamInfo, show_events
 from celery_nats_leader.ops.fence import DEFAULT_HANDOVER_WAIT, fence_lines, request_fence
 from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.ops.output import (
@@ -351,35 +346,31 @@ def bucket(
             abort=True,
         )
 
-    floor: EpochFloor | None = None
-
-    async def run(backend: Backend) -> tuple[list[BucketOutcome], StreamInfo | None]:
-        nonlocal floor
-        if migrating:
-            first, floor = await migrate_bucket(
-                backend, wanted[0], source=migrate_from, floor=epoch_floor or 0, timeout=timeout
-            )
-            rest = await apply_to_buckets(backend, wanted[1:], action, timeout=timeout)
-            found = [first, *rest]
-        else:
-            found = await apply_to_buckets(backend, wanted, action, timeout=timeout)
+    async def run(
+        backend: Backend,
+    ) -> tuple[list[BucketOutcome], EpochFloor | None, StreamInfo | None]:
+        found, floor = await set_up_buckets(
+            backend,
+            wanted,
+            action,
+            migrate_from=migrate_from,
+            epoch_floor=epoch_floor,
+            timeout=timeout,
+        )
         stream = None
         if events_max_age is not None and action != "delete":
-            stream = (
-                await ensure_events_stream(
-                    backend,
-                    wanted[0].name,
-                    max_age=events_max_age,
-                    replicas=settings.bucket_replicas,
-                    timeout=timeout,
-                )
-                if action == "create"
-                else await stream_info(backend, wanted[0].name, timeout=timeout)
+            stream = await events_stream_of(
+                backend,
+                wanted[0].name,
+                create=action == "create",
+                max_age=events_max_age,
+                replicas=settings.bucket_replicas,
+                timeout=timeout,
             )
-        return found, stream
+        return found, floor, stream
 
     try:
-        outcomes, stream = with_backend(
+        outcomes, floor, stream = with_backend(
             settings, run, timeout=timeout, name=operator_name("celery nats-leader bucket")
         )
     except ElectionError as exc:
@@ -387,12 +378,11 @@ def bucket(
         ctx.exit(EXIT_ERROR)
     failing = [o for o in outcomes if o.problems]
     if as_json:
-        body: dict[str, Any] = {"ok": not failing, "buckets": [o.to_dict() for o in outcomes]}
-        if events_max_age is not None:
-            body["events_stream"] = None if stream is None else dataclasses.asdict(stream)
-        if floor is not None:
-            body["epoch_floor"] = floor.to_dict()
-        click.echo(json.dumps(body, sort_keys=True))
+        click.echo(
+            buckets_document(
+                outcomes, floor=floor, stream=stream, with_stream=events_max_age is not None
+            )
+        )
     else:
         create = f"celery -A {app.main or '<app>'} nats-leader bucket --create"
         for outcome in outcomes:

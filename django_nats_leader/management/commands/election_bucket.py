@@ -14,14 +14,11 @@ misconfigured, 2 when NATS cannot be used.
 
 from __future__ import annotations
 
-import json
 from argparse import ArgumentParser
-from dataclasses import asdict
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from celery_nats_leader.backend import Backend
 from celery_nats_leader.config import validate_bucket
 from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.ops.bucket import (
@@ -29,13 +26,14 @@ from celery_nats_leader.ops.bucket import (
     BucketOutcome,
     BucketTarget,
     EpochFloor,
-    apply_to_buckets,
     bucket_targets,
+    buckets_document,
+    events_stream_of,
     floor_lines,
-    migrate_bucket,
     outcome_lines,
+    set_up_buckets,
 )
-from celery_nats_leader.ops.events import StreamInfo, ensure_events_stream, stream_info
+from celery_nats_leader.ops.events import StreamInfo
 from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
@@ -50,12 +48,13 @@ def inspect_or_create(
 ) -> list[BucketOutcome]:
     """Read every bucket's settings, creating the missing ones when ``create`` is set."""
     action: BucketAction = "create" if create else "check"
-    return with_backend(
+    outcomes, _ = with_backend(
         settings,
-        lambda backend: apply_to_buckets(backend, wanted, action, timeout=timeout),
+        lambda backend: set_up_buckets(backend, wanted, action, timeout=timeout),
         timeout=timeout,
         name=operator_name(TOOL),
     )
+    return outcomes
 
 
 def migrate(
@@ -65,36 +64,35 @@ def migrate(
     source: str | None,
     floor: int,
     timeout: float,
-) -> tuple[list[BucketOutcome], EpochFloor]:
+) -> tuple[list[BucketOutcome], EpochFloor | None]:
     """Create the election bucket with its epochs above ``source``'s (and ``floor``)."""
+    return with_backend(
+        settings,
+        lambda backend: set_up_buckets(
+            backend, wanted, "create", migrate_from=source, epoch_floor=floor, timeout=timeout
+        ),
+        timeout=timeout,
+        name=operator_name(TOOL),
+    )
 
-    async def run(backend: Backend) -> tuple[list[BucketOutcome], EpochFloor]:
-        first, carried = await migrate_bucket(
-            backend, wanted[0], source=source, floor=floor, timeout=timeout
-        )
-        rest = await apply_to_buckets(backend, wanted[1:], "create", timeout=timeout)
-        return [first, *rest], carried
 
-    return with_backend(settings, run, timeout=timeout, name=operator_name(TOOL))
-
-
-def events_stream_of(
+def stream_of(
     settings: LeaderSettings, bucket: str, *, max_age: float, create: bool, timeout: float
 ) -> StreamInfo | None:
     """The bucket's events stream (created with ``create``), or ``None``."""
-
-    async def run(backend: Backend) -> StreamInfo | None:
-        if create:
-            return await ensure_events_stream(
-                backend,
-                bucket,
-                max_age=max_age,
-                replicas=settings.bucket_replicas,
-                timeout=timeout,
-            )
-        return await stream_info(backend, bucket, timeout=timeout)
-
-    return with_backend(settings, run, timeout=timeout, name=operator_name(TOOL))
+    return with_backend(
+        settings,
+        lambda backend: events_stream_of(
+            backend,
+            bucket,
+            create=create,
+            max_age=max_age,
+            replicas=settings.bucket_replicas,
+            timeout=timeout,
+        ),
+        timeout=timeout,
+        name=operator_name(TOOL),
+    )
 
 
 class Command(BaseCommand):
@@ -206,7 +204,7 @@ class Command(BaseCommand):
         stream = None
         if options["events_max_age"] is not None:
             try:
-                stream = events_stream_of(
+                stream = stream_of(
                     settings,
                     wanted[0].name,
                     max_age=options["events_max_age"],
@@ -218,12 +216,14 @@ class Command(BaseCommand):
                     f"cannot set up the events stream: {exc}", returncode=EXIT_ERROR
                 ) from exc
         if options["json"]:
-            body: dict[str, Any] = {"ok": not failing, "buckets": [o.to_dict() for o in outcomes]}
-            if options["events_max_age"] is not None:
-                body["events_stream"] = None if stream is None else asdict(stream)
-            if carried is not None:
-                body["epoch_floor"] = carried.to_dict()
-            self.stdout.write(json.dumps(body, sort_keys=True))
+            self.stdout.write(
+                buckets_document(
+                    outcomes,
+                    floor=carried,
+                    stream=stream,
+                    with_stream=options["events_max_age"] is not None,
+                )
+            )
         else:
             for outcome in outcomes:
                 self._show(outcome)
