@@ -3,7 +3,7 @@
 The Celery CLI, the Django management commands, the system checks and the
 admin page each do one short piece of work on a connection of their own:
 :func:`with_backend` opens a backend from the settings, runs the operation
-on it and closes it, on :func:`run_once` (``asyncio.run``, right for a
+on it and closes it, on :func:`run_sync` (``asyncio.run``, right for a
 one-shot command); long-lived processes use the
 :class:`~celery_nats_leader.elector.Elector` or the
 :class:`~celery_nats_leader.process_client.ProcessClient` instead.
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def run_once(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
+def run_sync(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run one coroutine to completion from synchronous code.
 
     Uses ``asyncio.run``; when the calling thread already runs an event loop
@@ -80,7 +80,12 @@ def with_backend(
         async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
             return await operation(backend)
 
-    return run_once(run)
+    return run_sync(run)
+
+
+#: The former name of :func:`run_sync`, kept as an import path; the package's
+#: ``run_once`` is the Celery task decorator (:func:`celery_nats_leader.run_once`).
+run_once = run_sync
 
 
 def operator_name(tool: str) -> str:
@@ -88,4 +93,4 @@ def operator_name(tool: str) -> str:
     return f"{tool} ({socket.gethostname()}:{os.getpid()})"
 
 
-__all__ = ["operator_name", "run_once", "with_backend"]
+__all__ = ["operator_name", "run_sync", "with_backend"]
