@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import random
-from collections import deque
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery_nats_leader import constants as c
@@ -39,6 +38,7 @@ from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election.callbacks import CallbackRunner
 from celery_nats_leader.election.health import watch_health
 from celery_nats_leader.election.observer import ElectionObserver, NullObserver
+from celery_nats_leader.election.trail import EventTrail
 from celery_nats_leader.election.vocabulary import (
     DemoteCallback,
     DemoteReason,
@@ -48,10 +48,8 @@ from celery_nats_leader.election.vocabulary import (
     PromoteCallback,
     TransitionHook,
     control_subject,
-    event_subject,
 )
 from celery_nats_leader.errors import ConfigError, ElectionError, ElectionStoppedError
-from celery_nats_leader.events import EventKind, TransitionEvent, kind_of
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
 
@@ -183,11 +181,13 @@ class BaseElection(abc.ABC):
         self._main_task: asyncio.Task[None] | None = None
         self._subscriptions: list[Subscription] = []
         # The event trail: transitions waiting to be published, in order.
-        self._events: deque[bytes] = deque(maxlen=c.EVENT_BUFFER)
-        self._event_seq = 0
-        self._event_epoch: int | None = None
-        self._event_task: asyncio.Task[None] | None = None
-        self._born = self._clock.monotonic()
+        self._trail = EventTrail(
+            config,
+            self._clock,
+            lambda: self._backend,
+            self._logger,
+            f"{self._name_prefix}-events-{config.role}",
+        )
         self._init_state()
 
     @abc.abstractmethod
@@ -268,8 +268,8 @@ class BaseElection(abc.ABC):
 
     def wake(self) -> None:
         """Re-evaluate now; called when the connection goes down or comes back."""
-        if self._events:
-            self._schedule_event_flush()
+        if self._trail.pending:
+            self._trail.schedule_flush()
         if self._wake is not None:
             self._wake.set()
         if self._waiter is not None:
@@ -542,10 +542,7 @@ class BaseElection(abc.ABC):
 
     async def _teardown(self) -> None:
         # The last events (the release of a stop) go out before the connection closes.
-        if self._event_task is not None:
-            with contextlib.suppress(Exception):
-                await self._event_task
-        await self._flush_events()
+        await self._trail.close()
         await self._unsubscribe_all()
         self._stop_health_watch()
         overdue = self._overdue_callbacks
@@ -620,14 +617,13 @@ class BaseElection(abc.ABC):
 
     def _notify_promoted(self, token: FencingToken) -> asyncio.Future[None]:
         """Publish the ``promoted`` event, then run the promote callbacks."""
-        self._event_epoch = token.epoch
-        self._emit(EventKind.PROMOTED, None, 0.0)
+        self._trail.promoted(token.epoch)
         return self._callbacks.submit(self._promote_callbacks, token)
 
     def _notify_demoted(self, reason: DemoteReason) -> asyncio.Future[None]:
         """Publish the end of the term (its kind follows ``reason``), then run the callbacks."""
         term_age = round(self._clock.monotonic() - self._term_started_at, 3)
-        self._emit(kind_of(reason), reason.value, term_age)
+        self._trail.ended(reason, term_age)
         return self._callbacks.submit(self._demote_callbacks, reason)
 
     async def _demote_callbacks_done(self, done: asyncio.Future[None]) -> bool:
@@ -648,63 +644,6 @@ class BaseElection(abc.ABC):
             self.config.demote_timeout,
         )
         return False
-
-    def _emit(self, kind: EventKind, reason: str | None, term_age: float) -> None:
-        """Queue one transition event; published in order, never on the renewal path."""
-        cfg = self.config
-        self._event_seq += 1
-        event = TransitionEvent(
-            event=kind,
-            bucket=cfg.bucket,
-            role=cfg.role,
-            id=cfg.instance_id,
-            epoch=self._event_epoch,
-            reason=reason,
-            seq=self._event_seq,
-            uptime=round(self._clock.monotonic() - self._born, 3),
-            term_age=term_age,
-            meta=dict(cfg.meta),
-        )
-        self._events.append(event.encode())
-        self._schedule_event_flush()
-
-    def _schedule_event_flush(self) -> None:
-        if self._event_task is not None and not self._event_task.done():
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return  # not on the loop (a wake from another thread): the next event flushes
-        self._event_task = loop.create_task(
-            self._flush_events(), name=f"{self._name_prefix}-events-{self.role}"
-        )
-
-    async def _events_out(self) -> None:
-        """Hand the queued events to the connection before the key is released.
-
-        The successor's ``promoted`` is published after it saw the release;
-        on one connection, publishes reach the server in order, so the trail
-        shows a term's end before the next term's start even on a busy host.
-        Costs one buffered publish on the hand-over path.
-        """
-        self._schedule_event_flush()
-        task = self._event_task
-        if task is not None:
-            with contextlib.suppress(Exception):
-                await task
-
-    async def _flush_events(self) -> None:
-        """Publish the queued events in order; keep them while disconnected."""
-        backend = self._backend
-        subject = event_subject(self.config.bucket, self.config.role)
-        while self._events and backend is not None and backend.is_connected:
-            try:
-                await backend.publish(subject, self._events[0])
-            except Exception as exc:  # an event must never break the election
-                self._logger.debug("%s: could not publish an event: %s", self.role, exc)
-                return
-            if self._events:
-                self._events.popleft()
 
     def _lease_valid(self) -> bool:
         return self._clock.monotonic() < self._lease_deadline

@@ -1063,7 +1063,7 @@ class Election(BaseElection):
         """Delete the key only at our revision: never a successor's record."""
         assert self._bucket is not None
         timeout = self.config.request_timeout
-        await self._events_out()
+        await self._trail.handed_out()
         try:
             await self._bucket.delete(self.role, last=revision, timeout=timeout)
             logger.info("%s: released the key (epoch %d)", self.role, token.epoch)
