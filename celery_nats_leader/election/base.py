@@ -36,6 +36,7 @@ from celery_nats_leader.backend import Backend, ConnectionListener, Subscription
 from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election.callbacks import CallbackRunner
+from celery_nats_leader.election.control import ResignAnswer, ResignRequest
 from celery_nats_leader.election.health import watch_health
 from celery_nats_leader.election.observer import ElectionObserver, NullObserver
 from celery_nats_leader.election.trail import EventTrail
@@ -729,8 +730,8 @@ class BaseElection(abc.ABC):
             return
         self._next_takeover_at = now + cfg.ttl
         assert self._backend is not None
-        request = json.dumps(
-            {"requester": cfg.instance_id, "priority": cfg.priority, "reason": "takeover"}
+        request = ResignRequest(
+            requester=cfg.instance_id, priority=cfg.priority, reason="takeover"
         ).encode()
         try:
             reply = await self._backend.request(
@@ -744,36 +745,28 @@ class BaseElection(abc.ABC):
         self._logger.info("%s: asked leader %s to hand over: %s", self.role, leader_id, reply[:200])
 
     async def _on_resign_request(self, data: bytes, reply: str | None) -> None:
-        try:
-            body = json.loads(data) if data else {}
-        except ValueError:
-            body = {}
-        if not isinstance(body, dict):
-            body = {}
+        request = ResignRequest.decode(data)
         leading = self.is_leader
-        if leading and body.get("verify") is True:
+        if leading and request.verify:
             # A fence asks first and ends the term itself when nobody answers
             # in time; a leader that was paused reads the request only when it
             # runs again, maybe after the fence: confirm the term first, so it
             # steps down as fenced rather than "resign" a term it lost.
             leading = await self.validate_token()
-        priority = body.get("priority")
+        priority = request.priority
         accepted = leading
-        if leading and isinstance(priority, int) and priority <= self.config.priority:
+        if leading and priority is not None and priority <= self.config.priority:
             accepted = False  # a takeover request from a candidate not preferred over us
-        target = body.get("id")
-        if isinstance(target, str) and target != self.instance_id:
+        if request.leader_id is not None and request.leader_id != self.instance_id:
             accepted = False  # meant for a leader that is no longer us (the role moved)
         if accepted:
             self._release_reason = (
-                DemoteReason.TAKEOVER if isinstance(priority, int) else DemoteReason.RESIGNED
+                DemoteReason.TAKEOVER if priority is not None else DemoteReason.RESIGNED
             )
-            self._logger.info(
-                "%s: asked to step down by %s", self.role, body.get("requester", "an operator")
-            )
+            self._logger.info("%s: asked to step down by %s", self.role, request.requester)
             self.wake()
         if reply and self._backend is not None and leading:
-            await self._respond(reply, {"id": self.instance_id, "accepted": accepted})
+            await self._respond(reply, ResignAnswer(self.instance_id, accepted).to_dict())
 
 
 __all__ = [

@@ -51,7 +51,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -60,6 +59,7 @@ from dataclasses import dataclass
 
 from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, KVEntry, Operation
+from celery_nats_leader.election.control import ResignAnswer, ResignRequest
 from celery_nats_leader.election.vocabulary import control_subject
 from celery_nats_leader.errors import (
     BackendTimeoutError,
@@ -201,8 +201,8 @@ async def _ask_to_hand_over(
     handover_wait: float,
 ) -> tuple[bool, str]:
     """Ask the term's holder to resign; return (accepted, what happened in words)."""
-    body = json.dumps(
-        {"requester": requester, "id": target.id, "reason": "fence", "verify": True}
+    body = ResignRequest(
+        requester=requester, leader_id=target.id, reason="fence", verify=True
     ).encode()
     try:
         reply = await backend.request(
@@ -216,11 +216,7 @@ async def _ask_to_hand_over(
         # Not allowed to ask (permissions), or NATS failed: the operator asked
         # to end the term, so fence; the reason says why it was not asked.
         return False, f"it could not be asked to hand over ({exc})"
-    try:
-        answer = json.loads(reply)
-    except ValueError:
-        answer = None
-    if isinstance(answer, dict) and answer.get("accepted") is True:
+    if ResignAnswer.decode(reply).accepted:
         return True, (
             f"it agreed to hand over but had not released the key within {handover_wait:g}s"
         )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, KVEntry
 from celery_nats_leader.config import Strategy
+from celery_nats_leader.election.control import ResignAnswer, ResignRequest
 from celery_nats_leader.election.vocabulary import control_subject
 from celery_nats_leader.errors import BackendTimeoutError, ElectionError, NotLeaderError
 from celery_nats_leader.ops.oneshot import with_backend
@@ -109,10 +109,7 @@ async def resign_leader(
 
     watch = await kv.watch(role, on_entry)
     try:
-        request: dict[str, Any] = {"requester": requester}
-        if leader_id is not None:
-            request["id"] = leader_id
-        body = json.dumps(request).encode()
+        body = ResignRequest(requester=requester, leader_id=leader_id).encode()
         started = time.monotonic()
         try:
             reply = await backend.request(
@@ -123,14 +120,8 @@ async def resign_leader(
                 f"the leader of {role!r} ({previous.id}) did not answer within {timeout:g}s: "
                 "it may have crashed; its term ends when the key expires"
             ) from exc
-        try:
-            answer = json.loads(reply)
-        except ValueError:
-            answer = {}
-        if not isinstance(answer, dict):
-            answer = {}
-        accepted = bool(answer.get("accepted"))
-        answered_by = answer.get("id") if isinstance(answer.get("id"), str) else None
+        answer = ResignAnswer.decode(reply)
+        accepted, answered_by = answer.accepted, answer.id
         handover = None
         if accepted and wait > 0:
             with contextlib.suppress(asyncio.TimeoutError):
