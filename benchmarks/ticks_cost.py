@@ -8,7 +8,7 @@ Against a nats-server of its own on loopback, in one process:
   record of the send; beside it the one KV write the outbox adds (the
   record), timed alone;
 * **per guarded execution**: the once-guard's claim and completion as a
-  worker runs them (:class:`~celery_nats_leader.worker.once.OnceService`,
+  worker runs them (:class:`~celery_nats_leader.worker.once_tasks.OnceService`,
   the synchronous calls of a task around its body), for a first run and for
   a duplicate (acknowledged without running).
 
@@ -37,7 +37,7 @@ from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.elector import Elector
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.testing import NatsServer
-from celery_nats_leader.worker.once import OnceService
+from celery_nats_leader.worker.once_tasks import OnceService
 
 UTC = timezone.utc
 

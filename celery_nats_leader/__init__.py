@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from celery_nats_leader.beat import LeaderScheduler, LeaderSchedulerMixin
     from celery_nats_leader.worker.bootstep import NatsLeaderBootstep, install
     from celery_nats_leader.worker.leader_services import leader_service
-    from celery_nats_leader.worker.once import OnceTask, run_once
+    from celery_nats_leader.worker.once_tasks import OnceTask, run_once
     from celery_nats_leader.worker.signals import leader_demoted, leader_promoted
     from celery_nats_leader.worker.tasks import LeaderTask, leader_only
 
@@ -59,8 +59,8 @@ _LAZY = {
     "leader_only": "celery_nats_leader.worker.tasks",
     "leader_service": "celery_nats_leader.worker.leader_services",
     "LeaderTask": "celery_nats_leader.worker.tasks",
-    "OnceTask": "celery_nats_leader.worker.once",
-    "run_once": "celery_nats_leader.worker.once",
+    "OnceTask": "celery_nats_leader.worker.once_tasks",
+    "run_once": "celery_nats_leader.worker.once_tasks",
     "leader_promoted": "celery_nats_leader.worker.signals",
     "leader_demoted": "celery_nats_leader.worker.signals",
     "LeaderScheduler": "celery_nats_leader.beat",

@@ -26,8 +26,6 @@ unlike in long-lived processes).
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import json
 import socket
 import sys
@@ -37,8 +35,8 @@ from typing import Any
 import click
 
 from celery_nats_leader import constants as c
+from celery_nats_leader.backend import Backend
 from celery_nats_leader.config import validate_bucket, validate_key
-from celery_nats_leader.election import control_subject
 from celery_nats_leader.errors import (
     BackendTimeoutError,
     ConfigError,
@@ -46,34 +44,42 @@ from celery_nats_leader.errors import (
     NotLeaderError,
 )
 from celery_nats_leader.events import TransitionEvent
-from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.bucket import (
     BucketAction,
     BucketOutcome,
     EpochFloor,
-    apply_to_buckets,
     bucket_targets,
+    buckets_document,
+    events_stream_of,
     floor_lines,
-    migrate_bucket,
+    set_up_buckets,
 )
 from celery_nats_leader.ops.bucket import outcome_lines as bucket_lines
-from celery_nats_leader.ops.events import (
-    StreamInfo,
-    ensure_events_stream,
-    show_events,
-    stream_info,
+from celery_nats_leader.ops.events import StreamInfo, show_events
+from celery_nats_leader.ops.fence import DEFAULT_HANDOVER_WAIT, fence_lines, request_fence
+from celery_nats_leader.ops.oneshot import operator_name, with_backend
+from celery_nats_leader.ops.output import (
+    EXIT_ERROR,
+    EXIT_NO_LEADER,
+    EXIT_OK,
+    status_document,
+    status_exit_code,
+    status_lines,
 )
-from celery_nats_leader.ops.fence import DEFAULT_HANDOVER_WAIT, request_fence
-from celery_nats_leader.ops.oneshot import operator_name
-from celery_nats_leader.ops.resign import outcome_lines, outcome_to_dict, request_resignation
-from celery_nats_leader.ops.status import RoleStatus, read_status
+from celery_nats_leader.ops.resign import (
+    outcome_lines,
+    outcome_to_dict,
+    release_host,
+    release_lines,
+    request_resignation,
+)
+from celery_nats_leader.ops.status import fetch_report
 from celery_nats_leader.settings import LeaderSettings
 
 __all__ = ["nats_leader"]
 
-EXIT_OK = 0
-EXIT_NO_LEADER = 1
-EXIT_ERROR = 2
+#: The name of the CLI's connections in NATS monitoring.
+CONNECTION_NAME = "celery-nats-leader-cli"
 
 
 def _settings(ctx: click.Context) -> LeaderSettings:
@@ -98,54 +104,10 @@ def _check_role(ctx: click.Context, role: str) -> None:
         ctx.exit(EXIT_ERROR)
 
 
-async def _read(
-    settings: LeaderSettings, roles: Sequence[str], timeout: float, window: float
-) -> list[RoleStatus]:
-    async with await open_backend(
-        settings.connection, timeout=timeout, name="celery-nats-leader-cli"
-    ) as backend:
-        return await read_status(
-            backend,
-            settings.bucket,
-            roles=roles,
-            timeout=timeout,
-            roster_window=window,
-            strategy=settings.strategy,
-        )
-
-
-def _table(statuses: Sequence[RoleStatus], configured: Sequence[str]) -> str:
-    headers = ("ROLE", "LEADER", "EPOCH", "TERM AGE", "EXPIRES IN", "HOST", "PID", "WORKER")
-    rows = []
-    for status in statuses:
-        meta = status.leader_meta
-        leader = status.leader_id or ("-- none --" if status.role in configured else "-")
-        if status.problem:
-            leader = f"?? {status.problem}"
-        elif status.silent:
-            leader = f"{leader} (not answering)"
-        elif status.fenced is not None:
-            leader = "-- fenced --"
-        rows.append(
-            (
-                status.role,
-                leader,
-                "" if status.epoch is None else str(status.epoch),
-                "" if status.term_age is None else f"{status.term_age:.1f}s",
-                "" if status.expires_in is None else f"{status.expires_in:.1f}s",
-                str(meta.get("hostname", "")),
-                str(meta.get("pid", "")),
-                str(meta.get("worker", "")),
-            )
-        )
-    widths = [
-        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
-    ]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
-    lines += [
-        "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows
-    ]
-    return "\n".join(lines)
+def _echo(lines: Sequence[tuple[bool, str]]) -> None:
+    """Print ``(good, line)`` pairs: the good ones on stdout, the others on stderr."""
+    for good, line in lines:
+        click.echo(line, err=not good)
 
 
 @click.group(name="nats-leader")
@@ -189,34 +151,24 @@ def status(
     leader, or with --strict when its leader does not answer.
     """
     settings = _settings(ctx)
-    configured = list(dict.fromkeys([*settings.roles, *extra_roles]))
     try:
-        statuses = asyncio.run(_read(settings, configured, timeout, window))
+        report = fetch_report(
+            settings,
+            configured_roles=[*settings.roles, *extra_roles],
+            timeout=timeout,
+            roster_window=window,
+            name=CONNECTION_NAME,
+        )
     except ElectionError as exc:
         click.echo(
             f"Error: cannot read the elections of bucket {settings.bucket!r}: {exc}", err=True
         )
         ctx.exit(EXIT_ERROR)
-    leaderless = [s.role for s in statuses if s.role in configured and not s.has_leader]
-    silent = [s.role for s in statuses if s.role in configured and s.silent]
     if as_json:
-        body = {
-            "bucket": settings.bucket,
-            "configured_roles": configured,
-            "leaderless": leaderless,
-            "silent": silent,
-            "roles": [s.to_dict() for s in statuses],
-        }
-        click.echo(json.dumps(body, indent=2, sort_keys=True, default=str))
+        click.echo(status_document(report))
     else:
-        click.echo(f"bucket {settings.bucket!r} on {', '.join(settings.servers)}")
-        click.echo(_table(statuses, configured))
-        for one in statuses:
-            if one.note:
-                click.echo(f"{one.role}: {one.leader_id or 'nobody leads'}: {one.note}")
-        if leaderless:
-            click.echo(f"no leader: {', '.join(leaderless)}", err=True)
-    ctx.exit(EXIT_NO_LEADER if leaderless or (strict and silent) else EXIT_OK)
+        _echo(status_lines(report))
+    ctx.exit(status_exit_code(report, strict=strict))
 
 
 @nats_leader.command()
@@ -262,8 +214,7 @@ def resign(
     if as_json:
         click.echo(json.dumps(outcome_to_dict(outcome), sort_keys=True))
     else:
-        for good, line in outcome_lines(outcome, wait):
-            click.echo(line, err=not good)
+        _echo(outcome_lines(outcome, wait))
     ctx.exit(EXIT_OK if outcome.accepted else EXIT_NO_LEADER)
 
 
@@ -396,48 +347,43 @@ def bucket(
             abort=True,
         )
 
-    floor: EpochFloor | None = None
-
-    async def run() -> tuple[list[BucketOutcome], StreamInfo | None]:
-        nonlocal floor
-        name = operator_name("celery nats-leader bucket")
-        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
-            if migrating:
-                first, floor = await migrate_bucket(
-                    backend, wanted[0], source=migrate_from, floor=epoch_floor or 0, timeout=timeout
-                )
-                rest = await apply_to_buckets(backend, wanted[1:], action, timeout=timeout)
-                found = [first, *rest]
-            else:
-                found = await apply_to_buckets(backend, wanted, action, timeout=timeout)
-            stream = None
-            if events_max_age is not None and action != "delete":
-                stream = (
-                    await ensure_events_stream(
-                        backend,
-                        wanted[0].name,
-                        max_age=events_max_age,
-                        replicas=settings.bucket_replicas,
-                        timeout=timeout,
-                    )
-                    if action == "create"
-                    else await stream_info(backend, wanted[0].name, timeout=timeout)
-                )
-            return found, stream
+    async def run(
+        backend: Backend,
+    ) -> tuple[list[BucketOutcome], EpochFloor | None, StreamInfo | None]:
+        found, floor = await set_up_buckets(
+            backend,
+            wanted,
+            action,
+            migrate_from=migrate_from,
+            epoch_floor=epoch_floor,
+            timeout=timeout,
+        )
+        stream = None
+        if events_max_age is not None and action != "delete":
+            stream = await events_stream_of(
+                backend,
+                wanted[0].name,
+                create=action == "create",
+                max_age=events_max_age,
+                replicas=settings.bucket_replicas,
+                timeout=timeout,
+            )
+        return found, floor, stream
 
     try:
-        outcomes, stream = asyncio.run(run())
+        outcomes, floor, stream = with_backend(
+            settings, run, timeout=timeout, name=operator_name("celery nats-leader bucket")
+        )
     except ElectionError as exc:
         click.echo(f"Error: cannot use the buckets: {exc}", err=True)
         ctx.exit(EXIT_ERROR)
     failing = [o for o in outcomes if o.problems]
     if as_json:
-        body: dict[str, Any] = {"ok": not failing, "buckets": [o.to_dict() for o in outcomes]}
-        if events_max_age is not None:
-            body["events_stream"] = None if stream is None else dataclasses.asdict(stream)
-        if floor is not None:
-            body["epoch_floor"] = floor.to_dict()
-        click.echo(json.dumps(body, sort_keys=True))
+        click.echo(
+            buckets_document(
+                outcomes, floor=floor, stream=stream, with_stream=events_max_age is not None
+            )
+        )
     else:
         create = f"celery -A {app.main or '<app>'} nats-leader bucket --create"
         for outcome in outcomes:
@@ -463,26 +409,6 @@ _STYLES: dict[str, dict[str, Any]] = {
 }
 
 
-async def _ask_to_resign(
-    settings: LeaderSettings, role: str, leader_id: str, timeout: float
-) -> dict[str, Any] | None:
-    async with await open_backend(
-        settings.connection, timeout=timeout, name="celery-nats-leader-cli"
-    ) as backend:
-        # Naming the leader: only that process steps down, never a successor.
-        body = {"requester": operator_name("celery nats-leader release"), "id": leader_id}
-        try:
-            reply = await backend.request(
-                control_subject(settings.bucket, role, c.RESIGN_VERB),
-                json.dumps(body).encode(),
-                timeout=timeout,
-            )
-        except ElectionError:
-            return None
-        answer = json.loads(reply)
-        return answer if isinstance(answer, dict) else None
-
-
 @nats_leader.command()
 @click.option(
     "--host",
@@ -501,21 +427,27 @@ def release(ctx: click.Context, host: str | None, timeout: float) -> None:
     """
     settings = _settings(ctx)
     host = host or socket.gethostname()
+    requester = operator_name("celery nats-leader release")
     try:
-        statuses = asyncio.run(_read(settings, list(settings.roles), timeout, 0.0))
+        released = with_backend(
+            settings,
+            lambda backend: release_host(
+                backend,
+                settings.bucket,
+                settings.roles,
+                host,
+                timeout=timeout,
+                requester=requester,
+                strategy=settings.strategy,
+            ),
+            timeout=timeout,
+            name=CONNECTION_NAME,
+        )
     except ElectionError as exc:
         click.echo(f"Error: {exc}", err=True)
         ctx.exit(EXIT_ERROR)
-    here = [s for s in statuses if s.has_leader and s.leader_meta.get("hostname") == host]
-    if not here:
-        click.echo(f"no role of bucket {settings.bucket!r} is led from {host}")
-    for one in here:
-        assert one.leader_id is not None
-        answer = asyncio.run(_ask_to_resign(settings, one.role, one.leader_id, timeout))
-        accepted = bool(answer and answer.get("accepted"))
-        click.echo(
-            f"{one.role}: {one.leader_id} {'stepping down' if accepted else 'did not step down'}"
-        )
+    for line in release_lines(settings.bucket, host, released):
+        click.echo(line)
     ctx.exit(EXIT_OK)
 
 
@@ -583,19 +515,11 @@ def fence(
     if as_json:
         click.echo(json.dumps(outcome.to_dict(), sort_keys=True))
     else:
-        click.echo(outcome.describe())
-        if outcome.successor is not None:
-            took = outcome.promoted_after or 0.0
-            click.echo(
-                f"new leader of {role!r}: {outcome.successor.id} "
-                f"(epoch {outcome.successor.epoch}) after {took * 1000:.0f} ms"
-            )
-        elif wait > 0:
-            click.echo(f"no new leader of {role!r} within {wait:g}s", err=True)
+        _echo(fence_lines(outcome, wait))
     ctx.exit(EXIT_OK)
 
 
-async def _events(
+def _events(
     settings: LeaderSettings,
     *,
     role: str | None,
@@ -609,10 +533,9 @@ async def _events(
         text = json.dumps(event.to_dict(), sort_keys=True) if as_json else event.describe()
         click.echo(text)
 
-    async with await open_backend(
-        settings.connection, timeout=timeout, name="celery-nats-leader-cli"
-    ) as backend:
-        return await show_events(
+    return with_backend(
+        settings,
+        lambda backend: show_events(
             backend,
             settings.bucket,
             emit,
@@ -621,7 +544,10 @@ async def _events(
             limit=limit,
             count=count,
             timeout=timeout,
-        )
+        ),
+        timeout=timeout,
+        name=CONNECTION_NAME,
+    )
 
 
 @nats_leader.command()
@@ -650,16 +576,14 @@ def events(
     """
     settings = _settings(ctx)
     try:
-        kept = asyncio.run(
-            _events(
-                settings,
-                role=role,
-                follow=follow,
-                limit=limit,
-                count=count,
-                as_json=as_json,
-                timeout=timeout,
-            )
+        kept = _events(
+            settings,
+            role=role,
+            follow=follow,
+            limit=limit,
+            count=count,
+            as_json=as_json,
+            timeout=timeout,
         )
     except KeyboardInterrupt:
         ctx.exit(EXIT_OK)
@@ -741,10 +665,10 @@ def seed_beat(
         click.echo(f"Error: {exc}", err=True)
         ctx.exit(EXIT_ERROR)
 
-    async def run() -> list[Any]:
-        name = operator_name("celery nats-leader seed-beat")
-        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
-            return await seed_schedule_state(
+    try:
+        outcomes = with_backend(
+            settings,
+            lambda backend: seed_schedule_state(
                 backend,
                 settings.beat_state_bucket,
                 settings.beat_role,
@@ -753,10 +677,10 @@ def seed_beat(
                 create_bucket=settings.create_bucket,
                 replicas=settings.bucket_replicas,
                 timeout=timeout,
-            )
-
-    try:
-        outcomes = asyncio.run(run())
+            ),
+            timeout=timeout,
+            name=operator_name("celery nats-leader seed-beat"),
+        )
     except ElectionError as exc:
         click.echo(f"Error: cannot seed {settings.beat_state_bucket!r}: {exc}", err=True)
         ctx.exit(EXIT_ERROR)

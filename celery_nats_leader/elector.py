@@ -43,7 +43,7 @@ from celery_nats_leader.errors import (
 )
 from celery_nats_leader.loop_thread import EventLoopThread
 from celery_nats_leader.nats import ConnectionListener, ConnectOptions, open_backend
-from celery_nats_leader.ops.status import RoleStatus, read_status
+from celery_nats_leader.ops.status import RoleStatus, read_report
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
 
@@ -568,7 +568,10 @@ class Elector(ConnectionListener):
         strategy = mine[0].strategy if mine else "kv"
         roles = [config.role for config in mine]
         backend = self._backend
-        return self.loop.run(
-            read_status(backend, bucket, roles=roles, timeout=timeout, strategy=strategy),
+        report = self.loop.run(
+            read_report(
+                backend, bucket, configured_roles=roles, strategy=strategy, timeout=timeout
+            ),
             timeout + 5,
         )
+        return list(report.roles)

@@ -30,7 +30,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_nats_leader import constants as c
+from celery_nats_leader.election.vocabulary import (
+    RELEASING_REASONS,
+    DemoteReason,
+    event_subject,
+    events_stream,
+)
 
 
 class EventKind(str, enum.Enum):
@@ -48,32 +53,16 @@ class EventKind(str, enum.Enum):
     """An operator ended the term (``fence`` command)."""
 
 
-#: Demote reasons (their values) after which the leader deletes its key itself.
-_RELEASING = frozenset({"stopped", "takeover", "health_check_failed"})
-
-
-def kind_of(reason: str) -> EventKind:
-    """The event kind of a demotion with ``reason`` (a ``DemoteReason`` value)."""
-    if reason == "fenced":
+def kind_of(reason: DemoteReason | str) -> EventKind:
+    """The event kind of a demotion with ``reason`` (a :class:`DemoteReason` or its value)."""
+    value = reason.value if isinstance(reason, DemoteReason) else reason
+    if value == DemoteReason.FENCED.value:
         return EventKind.FENCED
-    if reason == "resigned":
+    if value == DemoteReason.RESIGNED.value:
         return EventKind.RESIGNED
-    if reason in _RELEASING:
+    if value in RELEASING_REASONS:
         return EventKind.RELEASED
     return EventKind.DEMOTED
-
-
-def event_subject(bucket: str, role: str = ">") -> str:
-    """The subject of ``role``'s events in ``bucket`` (default: every role's).
-
-    Roles may contain dots, so the role comes last and ``>`` matches them all.
-    """
-    return f"{c.EVENTS_SUBJECT_PREFIX}.{bucket}.{role}"
-
-
-def events_stream(bucket: str) -> str:
-    """Name of the optional JetStream stream keeping ``bucket``'s events."""
-    return f"{c.EVENTS_STREAM_PREFIX}{bucket}"
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,13 @@ from django.utils.safestring import mark_safe
 from celery_nats_leader.config import validate_key
 from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.events import TransitionEvent
-from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.events import read_events
-from celery_nats_leader.ops.oneshot import operator_name, run_once
+from celery_nats_leader.ops.oneshot import operator_name, with_backend
+from celery_nats_leader.ops.output import role_rows
 from celery_nats_leader.ops.status import StatusReport, fetch_report
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
 from django_nats_leader.models import ElectionStatus, FenceEpoch
-from django_nats_leader.render import role_rows
 from django_nats_leader.timeline import stored_time, terms, timeline_svg
 
 logger = logging.getLogger(__name__)
@@ -270,15 +269,12 @@ def fetch_history(
     settings: LeaderSettings, *, limit: int = HISTORY_EVENTS
 ) -> list[TransitionEvent] | None:
     """The newest kept events of the settings' bucket, or ``None`` without an events stream."""
-
-    async def run() -> list[TransitionEvent] | None:
-        name = operator_name("admin election status")
-        async with await open_backend(
-            settings.connection, timeout=STATUS_TIMEOUT, name=name
-        ) as backend:
-            return await read_events(backend, settings.bucket, limit=limit, timeout=STATUS_TIMEOUT)
-
-    return run_once(run)
+    return with_backend(
+        settings,
+        lambda backend: read_events(backend, settings.bucket, limit=limit, timeout=STATUS_TIMEOUT),
+        timeout=STATUS_TIMEOUT,
+        name=operator_name("admin election status"),
+    )
 
 
 def _histories(

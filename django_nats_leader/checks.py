@@ -207,12 +207,11 @@ def check_server(
     except ConfigError:
         return []  # check_settings reports it
     from celery_nats_leader.ops.bucket import bucket_ttls, probe
-    from celery_nats_leader.ops.oneshot import run_once
 
     wanted = bucket_ttls(settings)
     state_bucket = settings.beat_state_bucket if conf.beat_is_elected() else None
     names = [*wanted, *([state_bucket] if state_bucket else [])]
-    result = run_once(lambda: probe(settings, names, timeout=DEPLOY_CHECK_TIMEOUT))
+    result = probe(settings, names, timeout=DEPLOY_CHECK_TIMEOUT)
     servers = ", ".join(settings.servers)
     if not result.reachable:
         level = checks.Error if settings.required else checks.Warning

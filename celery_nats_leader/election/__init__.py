@@ -1,9 +1,12 @@
 """The election state machines: no Celery, no Django, no nats-py.
 
+* :mod:`.vocabulary`: the words every part shares: states, demote reasons,
+  callback types, subject names, and :class:`~.vocabulary.ServiceHost` (what
+  leader services need of an election).
 * :mod:`.interface`: :class:`LeaderElection`, the Protocol every strategy
   implements, and :func:`new_election`, which builds the configured one.
 * :mod:`.base`: :class:`~.base.BaseElection`, the plumbing both strategies
-  share (states, demote reasons, callbacks, start/teardown, control requests).
+  share (callbacks, start/teardown, control requests).
 * :mod:`.kv`: :class:`Election`, the JetStream KV strategy (the default),
   with :mod:`.follower_view` (what a follower saw, and when to act) and
   :mod:`.roster` (the candidates it knows, and its place in line).
@@ -12,6 +15,7 @@
 * :mod:`.health`, :mod:`.callbacks`, :mod:`.observer`: health-check demotion,
   running user callbacks, and the metrics hooks.
 * :mod:`.services`: leader services, code that runs only while leading.
+* :mod:`.trail`: the event trail, each transition published in order.
 
 The state machines talk to NATS only through a
 :class:`~celery_nats_leader.backend.Backend`.
@@ -19,7 +23,9 @@ The state machines talk to NATS only through a
 
 from __future__ import annotations
 
-from celery_nats_leader.election.base import (
+from celery_nats_leader.election.interface import LeaderElection, new_election
+from celery_nats_leader.election.kv import Election
+from celery_nats_leader.election.vocabulary import (
     DemoteCallback,
     DemoteReason,
     ElectionState,
@@ -28,8 +34,6 @@ from celery_nats_leader.election.base import (
     PromoteCallback,
     control_subject,
 )
-from celery_nats_leader.election.interface import LeaderElection, new_election
-from celery_nats_leader.election.kv import Election
 
 __all__ = [
     "DemoteCallback",

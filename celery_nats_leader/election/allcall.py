@@ -83,12 +83,8 @@ from celery_nats_leader.election.allcall_protocol import (
     encode_message,
     new_epoch,
 )
-from celery_nats_leader.election.base import (
-    BaseElection,
-    DemoteReason,
-    ElectionState,
-    control_subject,
-)
+from celery_nats_leader.election.base import BaseElection
+from celery_nats_leader.election.vocabulary import DemoteReason, ElectionState, control_subject
 from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken

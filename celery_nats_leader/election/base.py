@@ -1,4 +1,7 @@
-"""What every election strategy shares: states, callbacks and lifecycle plumbing.
+"""What every election strategy shares: callbacks and lifecycle plumbing.
+
+The words it uses (states, demote reasons, callback types, subjects) are in
+:mod:`celery_nats_leader.election.vocabulary`; they are importable from here too.
 
 :class:`BaseElection` holds the state and the machinery that do not depend on
 how a leader is chosen: the callback registry and its runner, the lease
@@ -23,12 +26,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import enum
 import json
 import logging
 import random
-from collections import deque
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery_nats_leader import constants as c
@@ -36,10 +36,21 @@ from celery_nats_leader.backend import Backend, ConnectionListener, Subscription
 from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.election.callbacks import CallbackRunner
+from celery_nats_leader.election.control import ResignAnswer, ResignRequest
 from celery_nats_leader.election.health import watch_health
 from celery_nats_leader.election.observer import ElectionObserver, NullObserver
+from celery_nats_leader.election.trail import EventTrail
+from celery_nats_leader.election.vocabulary import (
+    DemoteCallback,
+    DemoteReason,
+    ElectionState,
+    ErrorCallback,
+    LeaderChangeCallback,
+    PromoteCallback,
+    TransitionHook,
+    control_subject,
+)
 from celery_nats_leader.errors import ConfigError, ElectionError, ElectionStoppedError
-from celery_nats_leader.events import EventKind, TransitionEvent, event_subject, kind_of
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken
 
@@ -52,64 +63,6 @@ if TYPE_CHECKING:
     from celery_nats_leader.nats.connection import ConnectOptions
 
 logger = logging.getLogger(__name__)
-
-
-class ElectionState(str, enum.Enum):
-    """Where an election is in its life."""
-
-    INIT = "init"
-    CANDIDATE = "candidate"
-    LEADER = "leader"
-    FOLLOWER = "follower"
-    STOPPED = "stopped"
-
-
-class DemoteReason(str, enum.Enum):
-    """Why a leader stopped leading (passed to demote callbacks)."""
-
-    STOPPED = "stopped"
-    """:meth:`BaseElection.stop` was called."""
-    RESIGNED = "resigned"
-    """:meth:`BaseElection.resign` was called, or an operator asked."""
-    TAKEOVER = "takeover"
-    """A higher-priority candidate politely asked for the role."""
-    LEASE_EXPIRED = "lease_expired"
-    """No renewal was confirmed before the local lease deadline."""
-    REVISION_CHANGED = "revision_changed"
-    """Someone else wrote the key: the term is over."""
-    KEY_DELETED = "key_deleted"
-    """The key was deleted by someone else."""
-    TOKEN_MISMATCH = "token_mismatch"
-    """Validation found another term's token in the key."""
-    DISCONNECTED = "disconnected"
-    """The NATS connection was down longer than the disconnect grace."""
-    HEALTH_CHECK_FAILED = "health_check_failed"
-    """The health check failed too many times in a row."""
-    FENCED = "fenced"
-    """An operator fenced the term (``nats-leader fence``): it ended at once."""
-    ERROR = "error"
-    """A permanent error (bucket deleted, permission denied) ended the election."""
-
-
-PromoteCallback = Callable[[FencingToken], "Awaitable[None] | None"]
-DemoteCallback = Callable[[DemoteReason], "Awaitable[None] | None"]
-LeaderChangeCallback = Callable[["LeaderRecord | None"], "Awaitable[None] | None"]
-ErrorCallback = Callable[[ElectionError], "Awaitable[None] | None"]
-
-
-def control_subject(bucket: str, role: str, verb: str) -> str:
-    """Subject of the request/reply side channel of one role.
-
-    Args:
-        bucket: The KV bucket.
-        role: The role.
-        verb: ``roster`` or ``resign``.
-
-    Returns:
-        ``_NATS_LEADER.<bucket>.<role>.<verb>``.
-
-    """
-    return f"{c.CONTROL_SUBJECT_PREFIX}.{bucket}.{role}.{verb}"
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -217,7 +170,7 @@ class BaseElection(abc.ABC):
         # Called synchronously on the loop at every state change (leader
         # services must be told to stop at that instant, not after the
         # callbacks queued before them).
-        self._transition_hooks: list[Callable[[ElectionState, ElectionState], None]] = []
+        self._transition_hooks: list[TransitionHook] = []
         # Why the term is ending, set just before the state leaves LEADER so
         # that the hooks can tell the services (consumed by _set_state).
         self._ending_reason: DemoteReason | None = None
@@ -229,11 +182,13 @@ class BaseElection(abc.ABC):
         self._main_task: asyncio.Task[None] | None = None
         self._subscriptions: list[Subscription] = []
         # The event trail: transitions waiting to be published, in order.
-        self._events: deque[bytes] = deque(maxlen=c.EVENT_BUFFER)
-        self._event_seq = 0
-        self._event_epoch: int | None = None
-        self._event_task: asyncio.Task[None] | None = None
-        self._born = self._clock.monotonic()
+        self._trail = EventTrail(
+            config,
+            self._clock,
+            lambda: self._backend,
+            self._logger,
+            f"{self._name_prefix}-events-{config.role}",
+        )
         self._init_state()
 
     @abc.abstractmethod
@@ -314,8 +269,8 @@ class BaseElection(abc.ABC):
 
     def wake(self) -> None:
         """Re-evaluate now; called when the connection goes down or comes back."""
-        if self._events:
-            self._schedule_event_flush()
+        if self._trail.pending:
+            self._trail.schedule_flush()
         if self._wake is not None:
             self._wake.set()
         if self._waiter is not None:
@@ -402,12 +357,33 @@ class BaseElection(abc.ABC):
 
         return LeadingScope(self, timeout)
 
-    def _add_transition_hook(self, hook: Callable[[ElectionState, ElectionState], None]) -> None:
+    def add_transition_hook(self, hook: TransitionHook) -> None:
+        """Call ``hook(old, new)`` synchronously on the loop at every state change.
+
+        For leader services (:mod:`celery_nats_leader.election.services`),
+        which must be told at the instant a term ends, not after the
+        callbacks queued before them.
+        """
         self._transition_hooks.append(hook)
 
-    def _remove_transition_hook(self, hook: Callable[[ElectionState, ElectionState], None]) -> None:
+    def remove_transition_hook(self, hook: TransitionHook) -> None:
+        """Stop calling ``hook`` (no error if it was not added)."""
         with contextlib.suppress(ValueError):
             self._transition_hooks.remove(hook)
+
+    @property
+    def recorded_state(self) -> ElectionState:
+        """The state as last set, without the lease check that :attr:`state` makes."""
+        return self._state
+
+    @property
+    def ending_reason(self) -> DemoteReason | None:
+        """Why the term is ending, while it ends; else ``None``.
+
+        Set just before the state leaves LEADER and cleared once the
+        transition hooks have run, so the hooks can tell the leader services.
+        """
+        return self._ending_reason
 
     @abc.abstractmethod
     async def start(self, *, wait: float | None = None) -> None:
@@ -567,10 +543,7 @@ class BaseElection(abc.ABC):
 
     async def _teardown(self) -> None:
         # The last events (the release of a stop) go out before the connection closes.
-        if self._event_task is not None:
-            with contextlib.suppress(Exception):
-                await self._event_task
-        await self._flush_events()
+        await self._trail.close()
         await self._unsubscribe_all()
         self._stop_health_watch()
         overdue = self._overdue_callbacks
@@ -645,14 +618,13 @@ class BaseElection(abc.ABC):
 
     def _notify_promoted(self, token: FencingToken) -> asyncio.Future[None]:
         """Publish the ``promoted`` event, then run the promote callbacks."""
-        self._event_epoch = token.epoch
-        self._emit(EventKind.PROMOTED, None, 0.0)
+        self._trail.promoted(token.epoch)
         return self._callbacks.submit(self._promote_callbacks, token)
 
     def _notify_demoted(self, reason: DemoteReason) -> asyncio.Future[None]:
         """Publish the end of the term (its kind follows ``reason``), then run the callbacks."""
         term_age = round(self._clock.monotonic() - self._term_started_at, 3)
-        self._emit(kind_of(reason.value), reason.value, term_age)
+        self._trail.ended(reason, term_age)
         return self._callbacks.submit(self._demote_callbacks, reason)
 
     async def _demote_callbacks_done(self, done: asyncio.Future[None]) -> bool:
@@ -673,63 +645,6 @@ class BaseElection(abc.ABC):
             self.config.demote_timeout,
         )
         return False
-
-    def _emit(self, kind: EventKind, reason: str | None, term_age: float) -> None:
-        """Queue one transition event; published in order, never on the renewal path."""
-        cfg = self.config
-        self._event_seq += 1
-        event = TransitionEvent(
-            event=kind,
-            bucket=cfg.bucket,
-            role=cfg.role,
-            id=cfg.instance_id,
-            epoch=self._event_epoch,
-            reason=reason,
-            seq=self._event_seq,
-            uptime=round(self._clock.monotonic() - self._born, 3),
-            term_age=term_age,
-            meta=dict(cfg.meta),
-        )
-        self._events.append(event.encode())
-        self._schedule_event_flush()
-
-    def _schedule_event_flush(self) -> None:
-        if self._event_task is not None and not self._event_task.done():
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return  # not on the loop (a wake from another thread): the next event flushes
-        self._event_task = loop.create_task(
-            self._flush_events(), name=f"{self._name_prefix}-events-{self.role}"
-        )
-
-    async def _events_out(self) -> None:
-        """Hand the queued events to the connection before the key is released.
-
-        The successor's ``promoted`` is published after it saw the release;
-        on one connection, publishes reach the server in order, so the trail
-        shows a term's end before the next term's start even on a busy host.
-        Costs one buffered publish on the hand-over path.
-        """
-        self._schedule_event_flush()
-        task = self._event_task
-        if task is not None:
-            with contextlib.suppress(Exception):
-                await task
-
-    async def _flush_events(self) -> None:
-        """Publish the queued events in order; keep them while disconnected."""
-        backend = self._backend
-        subject = event_subject(self.config.bucket, self.config.role)
-        while self._events and backend is not None and backend.is_connected:
-            try:
-                await backend.publish(subject, self._events[0])
-            except Exception as exc:  # an event must never break the election
-                self._logger.debug("%s: could not publish an event: %s", self.role, exc)
-                return
-            if self._events:
-                self._events.popleft()
 
     def _lease_valid(self) -> bool:
         return self._clock.monotonic() < self._lease_deadline
@@ -815,8 +730,8 @@ class BaseElection(abc.ABC):
             return
         self._next_takeover_at = now + cfg.ttl
         assert self._backend is not None
-        request = json.dumps(
-            {"requester": cfg.instance_id, "priority": cfg.priority, "reason": "takeover"}
+        request = ResignRequest(
+            requester=cfg.instance_id, priority=cfg.priority, reason="takeover"
         ).encode()
         try:
             reply = await self._backend.request(
@@ -830,36 +745,28 @@ class BaseElection(abc.ABC):
         self._logger.info("%s: asked leader %s to hand over: %s", self.role, leader_id, reply[:200])
 
     async def _on_resign_request(self, data: bytes, reply: str | None) -> None:
-        try:
-            body = json.loads(data) if data else {}
-        except ValueError:
-            body = {}
-        if not isinstance(body, dict):
-            body = {}
+        request = ResignRequest.decode(data)
         leading = self.is_leader
-        if leading and body.get("verify") is True:
+        if leading and request.verify:
             # A fence asks first and ends the term itself when nobody answers
             # in time; a leader that was paused reads the request only when it
             # runs again, maybe after the fence: confirm the term first, so it
             # steps down as fenced rather than "resign" a term it lost.
             leading = await self.validate_token()
-        priority = body.get("priority")
+        priority = request.priority
         accepted = leading
-        if leading and isinstance(priority, int) and priority <= self.config.priority:
+        if leading and priority is not None and priority <= self.config.priority:
             accepted = False  # a takeover request from a candidate not preferred over us
-        target = body.get("id")
-        if isinstance(target, str) and target != self.instance_id:
+        if request.leader_id is not None and request.leader_id != self.instance_id:
             accepted = False  # meant for a leader that is no longer us (the role moved)
         if accepted:
             self._release_reason = (
-                DemoteReason.TAKEOVER if isinstance(priority, int) else DemoteReason.RESIGNED
+                DemoteReason.TAKEOVER if priority is not None else DemoteReason.RESIGNED
             )
-            self._logger.info(
-                "%s: asked to step down by %s", self.role, body.get("requester", "an operator")
-            )
+            self._logger.info("%s: asked to step down by %s", self.role, request.requester)
             self.wake()
         if reply and self._backend is not None and leading:
-            await self._respond(reply, {"id": self.instance_id, "accepted": accepted})
+            await self._respond(reply, ResignAnswer(self.instance_id, accepted).to_dict())
 
 
 __all__ = [

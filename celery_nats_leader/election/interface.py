@@ -11,14 +11,14 @@ from typing import Any, Protocol
 
 from celery_nats_leader.backend import Backend
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.election.base import (
+from celery_nats_leader.election.services import LeaderServiceRunner, LeadingScope, ServiceFunction
+from celery_nats_leader.election.vocabulary import (
     DemoteCallback,
     ElectionState,
     ErrorCallback,
     LeaderChangeCallback,
     PromoteCallback,
 )
-from celery_nats_leader.election.services import LeaderServiceRunner, LeadingScope, ServiceFunction
 from celery_nats_leader.errors import ElectionError
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.token import FencingToken

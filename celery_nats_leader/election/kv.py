@@ -32,14 +32,10 @@ from typing import Any
 from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, Bucket, KVEntry, Operation
 from celery_nats_leader.backoff import Backoff
-from celery_nats_leader.election.base import (
-    BaseElection,
-    DemoteReason,
-    ElectionState,
-    control_subject,
-)
+from celery_nats_leader.election.base import BaseElection
 from celery_nats_leader.election.follower_view import FollowerView
 from celery_nats_leader.election.roster import Roster
+from celery_nats_leader.election.vocabulary import DemoteReason, ElectionState, control_subject
 from celery_nats_leader.errors import (
     BackendError,
     BackendTimeoutError,
@@ -1067,7 +1063,7 @@ class Election(BaseElection):
         """Delete the key only at our revision: never a successor's record."""
         assert self._bucket is not None
         timeout = self.config.request_timeout
-        await self._events_out()
+        await self._trail.handed_out()
         try:
             await self._bucket.delete(self.role, last=revision, timeout=timeout)
             logger.info("%s: released the key (epoch %d)", self.role, token.epoch)

@@ -55,11 +55,11 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from celery_nats_leader.election.vocabulary import DemoteReason, ElectionState, ServiceHost
 from celery_nats_leader.errors import LeadershipLostError
-from celery_nats_leader.token import FencingToken
 
 if TYPE_CHECKING:
-    from celery_nats_leader.election.base import BaseElection, DemoteReason, ElectionState
+    from celery_nats_leader.token import FencingToken
 
 __all__ = ["LeaderContext", "LeaderServiceRunner", "LeadingScope"]
 
@@ -85,7 +85,7 @@ class LeaderContext:
 
     """
 
-    def __init__(self, election: BaseElection, token: FencingToken) -> None:
+    def __init__(self, election: ServiceHost, token: FencingToken) -> None:
         self._election = election
         self.token = token
         """The fencing token of the term (pass it to fenced resources)."""
@@ -111,11 +111,9 @@ class LeaderContext:
         # The election sets its reason before it drops the token and clears
         # it only after its hooks recorded it here (under the lock, with the
         # stop flag): read the election's, then this context's again.
-        from celery_nats_leader.election.base import DemoteReason, ElectionState
-
         election = self._election
-        was_leading = election._state is ElectionState.LEADER
-        reason = election._ending_reason or self._reason
+        was_leading = election.recorded_state is ElectionState.LEADER
+        reason = election.ending_reason or self._reason
         if reason is not None:
             return reason
         if was_leading and election.token is None:
@@ -201,7 +199,7 @@ class LeaderServiceRunner:
 
     def __init__(
         self,
-        election: BaseElection,
+        election: ServiceHost,
         service: ServiceFunction,
         *,
         name: str | None = None,
@@ -234,12 +232,10 @@ class LeaderServiceRunner:
 
     def transition(self, old: ElectionState, new: ElectionState) -> None:
         """The election's state changed (called synchronously on its loop)."""
-        from celery_nats_leader.election.base import ElectionState
-
         if new is ElectionState.LEADER:
             self._start()
         elif old is ElectionState.LEADER:
-            self._signal_stop(self.election._ending_reason)
+            self._signal_stop(self.election.ending_reason)
 
     async def demoted(self, reason: DemoteReason) -> None:
         """Demote callback: wait (bounded) for the stopping run to end.
@@ -431,7 +427,7 @@ class LeadingScope:
 
     """
 
-    def __init__(self, election: BaseElection, timeout: float | None = None) -> None:
+    def __init__(self, election: ServiceHost, timeout: float | None = None) -> None:
         self._election = election
         self._timeout = timeout
         self._task: asyncio.Task[Any] | None = None
@@ -453,20 +449,18 @@ class LeadingScope:
         cancelling = getattr(task, "cancelling", None)
         self._cancelling = cancelling() if cancelling is not None else 0
         self._context = LeaderContext(election, token)
-        election._add_transition_hook(self._transition)
+        election.add_transition_hook(self._transition)
         if election.token != token:  # the term ended while we registered
             self._end()
         return self._context
 
     def _transition(self, old: ElectionState, new: ElectionState) -> None:
-        from celery_nats_leader.election.base import ElectionState
-
         if old is ElectionState.LEADER and new is not ElectionState.LEADER:
             self._end()
 
     def _end(self) -> None:
         if self._context is not None:
-            self._context._set_stopped(self._election._ending_reason)
+            self._context._set_stopped(self._election.ending_reason)
         task = self._task
         if task is not None and not task.done() and not self._cancelled:
             self._cancelled = True
@@ -478,7 +472,7 @@ class LeadingScope:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        self._election._remove_transition_hook(self._transition)
+        self._election.remove_transition_hook(self._transition)
         if self._context is not None:
             self._context._set_stopped(None)
         if not self._cancelled or self._task is None:

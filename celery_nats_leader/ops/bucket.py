@@ -8,8 +8,9 @@ the beat schedule's state bucket needs ``history=1`` and no ``max_age``
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,8 +21,8 @@ from celery_nats_leader.errors import (
     ElectionError,
     JetStreamUnavailableError,
 )
-from celery_nats_leader.nats import open_backend
-from celery_nats_leader.ops.oneshot import operator_name
+from celery_nats_leader.ops.events import StreamInfo, ensure_events_stream, stream_info
+from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import ALLCALL_EPOCH_FLOOR
 
@@ -475,6 +476,87 @@ def outcome_lines(outcome: BucketOutcome, *, create_command: str) -> list[tuple[
     return lines
 
 
+async def set_up_buckets(
+    backend: Backend,
+    targets: Sequence[BucketTarget],
+    action: BucketAction,
+    *,
+    migrate_from: str | None = None,
+    epoch_floor: int | None = None,
+    timeout: float,
+) -> tuple[list[BucketOutcome], EpochFloor | None]:
+    """What the ``bucket`` commands do to the buckets: apply ``action``, or migrate.
+
+    With ``migrate_from`` or ``epoch_floor`` (a TTL change), the first target
+    (the election bucket) is created with its epochs above the source's
+    (:func:`migrate_bucket`) and the rest are created; otherwise ``action``
+    applies to every target (:func:`apply_to_buckets`).
+
+    Args:
+        backend: A connected backend.
+        targets: The buckets (:func:`bucket_targets`).
+        action: ``check``, ``create`` or ``delete``.
+        migrate_from: The bucket whose epochs the new one continues above.
+        epoch_floor: The lowest epoch the new bucket's first term may get.
+        timeout: Seconds per operation.
+
+    Returns:
+        One outcome per target, and the epoch floor when migrating.
+
+    """
+    if migrate_from is None and epoch_floor is None:
+        return await apply_to_buckets(backend, targets, action, timeout=timeout), None
+    first, floor = await migrate_bucket(
+        backend, targets[0], source=migrate_from, floor=epoch_floor or 0, timeout=timeout
+    )
+    rest = await apply_to_buckets(backend, targets[1:], "create", timeout=timeout)
+    return [first, *rest], floor
+
+
+async def events_stream_of(
+    backend: Backend,
+    bucket: str,
+    *,
+    create: bool,
+    max_age: float,
+    replicas: int,
+    timeout: float,
+) -> StreamInfo | None:
+    """The bucket's events stream (created when ``create``), or ``None`` when there is none."""
+    if create:
+        return await ensure_events_stream(
+            backend, bucket, max_age=max_age, replicas=replicas, timeout=timeout
+        )
+    return await stream_info(backend, bucket, timeout=timeout)
+
+
+def buckets_document(
+    outcomes: Sequence[BucketOutcome],
+    *,
+    floor: EpochFloor | None = None,
+    stream: StreamInfo | None = None,
+    with_stream: bool = False,
+) -> str:
+    """The ``--json`` output of both ``bucket`` commands.
+
+    Args:
+        outcomes: One per bucket.
+        floor: The epoch floor of a migration (``epoch_floor`` key).
+        stream: The events stream (``events_stream`` key, with ``with_stream``).
+        with_stream: Whether the events stream was asked about (``--events-max-age``).
+
+    """
+    body: dict[str, Any] = {
+        "ok": not any(o.problems for o in outcomes),
+        "buckets": [o.to_dict() for o in outcomes],
+    }
+    if with_stream:
+        body["events_stream"] = None if stream is None else dataclasses.asdict(stream)
+    if floor is not None:
+        body["epoch_floor"] = floor.to_dict()
+    return json.dumps(body, sort_keys=True)
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     """What a deploy-time probe of NATS found.
@@ -491,19 +573,20 @@ class ProbeResult:
     buckets: dict[str, BucketInfo | None] = field(default_factory=dict)
 
 
-async def probe(settings: LeaderSettings, buckets: Iterable[str], *, timeout: float) -> ProbeResult:
-    """Connect and look up ``buckets``, for the ``check --deploy`` checks."""
+def probe(settings: LeaderSettings, buckets: Iterable[str], *, timeout: float) -> ProbeResult:
+    """Connect and look up ``buckets``, for the ``check --deploy`` checks (synchronous)."""
+
+    async def look(backend: Backend) -> ProbeResult:
+        found: dict[str, BucketInfo | None] = {}
+        for name in buckets:
+            try:
+                found[name] = await backend.bucket_info(name, timeout=timeout)
+            except BucketNotFoundError:
+                found[name] = None
+        return ProbeResult(reachable=True, buckets=found)
+
     try:
-        async with await open_backend(
-            settings.connection, timeout=timeout, name=operator_name("check")
-        ) as be:
-            found: dict[str, BucketInfo | None] = {}
-            for name in buckets:
-                try:
-                    found[name] = await be.bucket_info(name, timeout=timeout)
-                except BucketNotFoundError:
-                    found[name] = None
-            return ProbeResult(reachable=True, buckets=found)
+        return with_backend(settings, look, timeout=timeout, name=operator_name("check"))
     except JetStreamUnavailableError as exc:
         return ProbeResult(reachable=True, error=str(exc))
     except ElectionError as exc:
@@ -526,11 +609,14 @@ __all__ = [
     "bucket_info",
     "bucket_targets",
     "bucket_ttls",
+    "buckets_document",
     "delete_bucket",
     "ensure_bucket",
+    "events_stream_of",
     "expected_ttl",
     "floor_lines",
     "migrate_bucket",
     "outcome_lines",
     "probe",
+    "set_up_buckets",
 ]

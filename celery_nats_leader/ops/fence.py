@@ -51,7 +51,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -60,7 +59,8 @@ from dataclasses import dataclass
 
 from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, KVEntry, Operation
-from celery_nats_leader.election.base import control_subject
+from celery_nats_leader.election.control import ResignAnswer, ResignRequest
+from celery_nats_leader.election.vocabulary import control_subject
 from celery_nats_leader.errors import (
     BackendTimeoutError,
     ElectionError,
@@ -68,8 +68,7 @@ from celery_nats_leader.errors import (
     RecordFormatError,
     RevisionMismatchError,
 )
-from celery_nats_leader.nats import open_backend
-from celery_nats_leader.ops.oneshot import run_once
+from celery_nats_leader.ops.oneshot import with_backend
 from celery_nats_leader.record import LeaderRecord, decode_record, encode_fence
 from celery_nats_leader.settings import LeaderSettings
 
@@ -202,8 +201,8 @@ async def _ask_to_hand_over(
     handover_wait: float,
 ) -> tuple[bool, str]:
     """Ask the term's holder to resign; return (accepted, what happened in words)."""
-    body = json.dumps(
-        {"requester": requester, "id": target.id, "reason": "fence", "verify": True}
+    body = ResignRequest(
+        requester=requester, leader_id=target.id, reason="fence", verify=True
     ).encode()
     try:
         reply = await backend.request(
@@ -217,11 +216,7 @@ async def _ask_to_hand_over(
         # Not allowed to ask (permissions), or NATS failed: the operator asked
         # to end the term, so fence; the reason says why it was not asked.
         return False, f"it could not be asked to hand over ({exc})"
-    try:
-        answer = json.loads(reply)
-    except ValueError:
-        answer = None
-    if isinstance(answer, dict) and answer.get("accepted") is True:
+    if ResignAnswer.decode(reply).accepted:
         return True, (
             f"it agreed to hand over but had not released the key within {handover_wait:g}s"
         )
@@ -476,23 +471,21 @@ def request_fence(
 
     """
     bucket = settings.election_config(role).bucket
-
-    async def run() -> FenceOutcome:
-        async with await open_backend(
-            settings.connection, timeout=timeout, name=requester
-        ) as backend:
-            return await fence_leader(
-                backend,
-                bucket,
-                role,
-                requester=requester,
-                epoch=epoch,
-                timeout=timeout,
-                wait=wait,
-                handover_wait=handover_wait,
-            )
-
-    return run_once(run)
+    return with_backend(
+        settings,
+        lambda backend: fence_leader(
+            backend,
+            bucket,
+            role,
+            requester=requester,
+            epoch=epoch,
+            timeout=timeout,
+            wait=wait,
+            handover_wait=handover_wait,
+        ),
+        timeout=timeout,
+        name=requester,
+    )
 
 
 def wait_for_successor(
@@ -515,14 +508,40 @@ def wait_for_successor(
 
     """
     bucket = settings.election_config(outcome.role).bucket
+    return with_backend(
+        settings,
+        lambda backend: await_successor(backend, bucket, outcome, wait=wait, timeout=timeout),
+        timeout=timeout,
+        name=requester,
+    )
 
-    async def run() -> FenceOutcome:
-        async with await open_backend(
-            settings.connection, timeout=timeout, name=requester
-        ) as backend:
-            return await await_successor(backend, bucket, outcome, wait=wait, timeout=timeout)
 
-    return run_once(run)
+def fence_lines(outcome: FenceOutcome, wait: float) -> list[tuple[bool, str]]:
+    """The outcome in words, as both the CLI and the Django command print it.
+
+    Args:
+        outcome: What :func:`fence_leader` (and :func:`await_successor`) returned.
+        wait: The seconds it waited for a successor (``0``: it did not wait).
+
+    Returns:
+        ``(good, line)`` pairs: what ended the term, then the successor, or
+        (not good) that none came within ``wait``.
+
+    """
+    lines = [(True, outcome.describe())]
+    role = outcome.role
+    if outcome.successor is not None:
+        took = (outcome.promoted_after or 0.0) * 1000
+        lines.append(
+            (
+                True,
+                f"new leader of {role!r}: {outcome.successor.id} "
+                f"(epoch {outcome.successor.epoch}) after {took:.0f} ms",
+            )
+        )
+    elif wait > 0:
+        lines.append((False, f"no new leader of {role!r} within {wait:g}s"))
+    return lines
 
 
 __all__ = [
@@ -530,6 +549,7 @@ __all__ = [
     "FenceOutcome",
     "await_successor",
     "fence_leader",
+    "fence_lines",
     "request_fence",
     "wait_for_successor",
 ]

@@ -1,9 +1,12 @@
 """Running one operator operation from synchronous code.
 
 The Celery CLI, the Django management commands, the system checks and the
-admin page each do one short piece of work on a connection of their own, so
-``asyncio.run`` (:func:`run_once`) is right for them; long-lived processes use
-the :class:`~celery_nats_leader.elector.Elector` instead.
+admin page each do one short piece of work on a connection of their own:
+:func:`with_backend` opens a backend from the settings, runs the operation
+on it and closes it, on :func:`run_sync` (``asyncio.run``, right for a
+one-shot command); long-lived processes use the
+:class:`~celery_nats_leader.elector.Elector` or the
+:class:`~celery_nats_leader.process_client.ProcessClient` instead.
 """
 
 from __future__ import annotations
@@ -12,13 +15,19 @@ import asyncio
 import concurrent.futures
 import os
 import socket
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from celery_nats_leader.nats import open_backend
+
+if TYPE_CHECKING:
+    from celery_nats_leader.backend import Backend
+    from celery_nats_leader.settings import LeaderSettings
 
 T = TypeVar("T")
 
 
-def run_once(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
+def run_sync(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run one coroutine to completion from synchronous code.
 
     Uses ``asyncio.run``; when the calling thread already runs an event loop
@@ -40,9 +49,48 @@ def run_once(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
         return pool.submit(lambda: asyncio.run(factory())).result()
 
 
+def with_backend(
+    settings: LeaderSettings,
+    operation: Callable[[Backend], Awaitable[T]],
+    *,
+    timeout: float,
+    name: str,
+) -> T:
+    """Open, run, close: one operator operation on a connection of its own, from sync code.
+
+    Every operator path (``celery nats-leader``, the ``manage.py election_*``
+    commands, the system checks, the admin page) goes through here.
+
+    Args:
+        settings: Where to connect (servers, credentials).
+        operation: The work; it gets the connected backend.
+        timeout: Seconds to wait for the connection.
+        name: The connection's name in NATS monitoring
+            (usually :func:`operator_name`).
+
+    Returns:
+        What ``operation`` returned.
+
+    Raises:
+        NatsUnavailableError: No server answered within ``timeout``.
+
+    """
+
+    async def run() -> T:
+        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
+            return await operation(backend)
+
+    return run_sync(run)
+
+
+#: The former name of :func:`run_sync`, kept as an import path; the package's
+#: ``run_once`` is the Celery task decorator (:func:`celery_nats_leader.run_once`).
+run_once = run_sync
+
+
 def operator_name(tool: str) -> str:
     """How an operator tool identifies itself to leaders and in NATS monitoring."""
     return f"{tool} ({socket.gethostname()}:{os.getpid()})"
 
 
-__all__ = ["operator_name", "run_once"]
+__all__ = ["operator_name", "run_sync", "with_backend"]

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, KVEntry
-from celery_nats_leader.election.base import control_subject
-from celery_nats_leader.errors import BackendTimeoutError, NotLeaderError
-from celery_nats_leader.nats import open_backend
-from celery_nats_leader.ops.oneshot import run_once
+from celery_nats_leader.config import Strategy
+from celery_nats_leader.election.control import ResignAnswer, ResignRequest
+from celery_nats_leader.election.vocabulary import control_subject
+from celery_nats_leader.errors import BackendTimeoutError, ElectionError, NotLeaderError
+from celery_nats_leader.ops.oneshot import with_backend
+from celery_nats_leader.ops.status import read_report
 from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.term import read_term, term_of
@@ -57,6 +59,7 @@ async def resign_leader(
     timeout: float = 5.0,
     wait: float = 5.0,
     requester: str = "an operator",
+    leader_id: str | None = None,
 ) -> ResignOutcome:
     """Ask the leader of ``role`` to step down and wait for the next term.
 
@@ -70,12 +73,16 @@ async def resign_leader(
         timeout: Seconds to wait for the leader's answer.
         wait: Seconds to wait for a successor (``0``: do not wait).
         requester: Who asks (the leader logs it).
+        leader_id: Ask only this instance: it steps down only if it still
+            leads (the request names it, so a successor never does), and
+            nobody is asked when the key names another.
 
     Returns:
         The outcome.
 
     Raises:
-        NotLeaderError: Nobody holds the role.
+        NotLeaderError: Nobody holds the role (or, with ``leader_id``,
+            another instance does).
         BackendTimeoutError: The holder did not answer (crashed, its key
             not expired yet).
 
@@ -87,6 +94,8 @@ async def resign_leader(
         previous = None  # a fence marker: the term was ended, nobody leads
     if previous is None:
         raise NotLeaderError(f"nobody leads role {role!r} in bucket {bucket!r}")
+    if leader_id is not None and previous.id != leader_id:
+        raise NotLeaderError(f"{leader_id} no longer leads role {role!r} ({previous.id} does)")
     successor: list[LeaderRecord] = []
     arrived = asyncio.Event()
 
@@ -100,7 +109,7 @@ async def resign_leader(
 
     watch = await kv.watch(role, on_entry)
     try:
-        body = json.dumps({"requester": requester}).encode()
+        body = ResignRequest(requester=requester, leader_id=leader_id).encode()
         started = time.monotonic()
         try:
             reply = await backend.request(
@@ -111,14 +120,8 @@ async def resign_leader(
                 f"the leader of {role!r} ({previous.id}) did not answer within {timeout:g}s: "
                 "it may have crashed; its term ends when the key expires"
             ) from exc
-        try:
-            answer = json.loads(reply)
-        except ValueError:
-            answer = {}
-        if not isinstance(answer, dict):
-            answer = {}
-        accepted = bool(answer.get("accepted"))
-        answered_by = answer.get("id") if isinstance(answer.get("id"), str) else None
+        answer = ResignAnswer.decode(reply)
+        accepted, answered_by = answer.accepted, answer.id
         handover = None
         if accepted and wait > 0:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -159,16 +162,84 @@ def request_resignation(
 
     """
     bucket = settings.election_config(role).bucket
+    return with_backend(
+        settings,
+        lambda backend: resign_leader(
+            backend, bucket, role, timeout=timeout, wait=wait, requester=requester
+        ),
+        timeout=timeout,
+        name=requester,
+    )
 
-    async def run() -> ResignOutcome:
-        async with await open_backend(
-            settings.connection, timeout=timeout, name=requester
-        ) as backend:
-            return await resign_leader(
-                backend, bucket, role, timeout=timeout, wait=wait, requester=requester
+
+async def release_host(
+    backend: Backend,
+    bucket: str,
+    roles: Sequence[str],
+    host: str,
+    *,
+    timeout: float = 5.0,
+    requester: str = "an operator",
+    strategy: Strategy = "kv",
+) -> list[tuple[str, str, bool]]:
+    """Ask every leader whose record names ``host`` to step down (a preStop hook).
+
+    Args:
+        backend: A connected backend.
+        bucket: The KV bucket.
+        roles: The configured roles (every role held in the bucket is looked at too).
+        host: The ``hostname`` metadata to match (the pod name in Kubernetes).
+        timeout: Seconds per NATS operation.
+        requester: Who asks (the leaders log it).
+        strategy: The roles' strategy (``"allcall"`` has no bucket to read).
+
+    Returns:
+        ``(role, leader id, stepping down)`` for each role led from ``host``;
+        a leader that did not answer, refused, or no longer leads is not
+        stepping down. Empty when nothing is led from ``host``.
+
+    Raises:
+        ElectionError: The bucket could not be read.
+
+    """
+    report = await read_report(
+        backend,
+        bucket,
+        configured_roles=roles,
+        strategy=strategy,
+        timeout=timeout,
+        roster_window=0.0,
+    )
+    released: list[tuple[str, str, bool]] = []
+    for one in report.roles:
+        if one.leader_id is None or one.leader_meta.get("hostname") != host:
+            continue
+        try:
+            outcome = await resign_leader(
+                backend,
+                bucket,
+                one.role,
+                timeout=timeout,
+                wait=0.0,
+                requester=requester,
+                leader_id=one.leader_id,
             )
+        except ElectionError:
+            accepted = False
+        else:
+            accepted = outcome.accepted
+        released.append((one.role, one.leader_id, accepted))
+    return released
 
-    return run_once(run)
+
+def release_lines(bucket: str, host: str, released: Sequence[tuple[str, str, bool]]) -> list[str]:
+    """What ``celery nats-leader release`` prints for :func:`release_host`'s answer."""
+    if not released:
+        return [f"no role of bucket {bucket!r} is led from {host}"]
+    return [
+        f"{role}: {leader} {'stepping down' if accepted else 'did not step down'}"
+        for role, leader, accepted in released
+    ]
 
 
 def outcome_to_dict(outcome: ResignOutcome) -> dict[str, Any]:
@@ -223,6 +294,8 @@ __all__ = [
     "ResignOutcome",
     "outcome_lines",
     "outcome_to_dict",
+    "release_host",
+    "release_lines",
     "request_resignation",
     "resign_leader",
 ]

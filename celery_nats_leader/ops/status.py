@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -19,10 +19,9 @@ from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend
 from celery_nats_leader.config import Strategy
 from celery_nats_leader.constants import DEFAULT_ROSTER_WINDOW_SECONDS, ROSTER_VERB
-from celery_nats_leader.election import control_subject
+from celery_nats_leader.election.vocabulary import control_subject
 from celery_nats_leader.errors import ElectionError, RecordFormatError
-from celery_nats_leader.nats import open_backend
-from celery_nats_leader.ops.oneshot import operator_name, run_once
+from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.record import decode_record
 from celery_nats_leader.settings import LeaderSettings
 
@@ -120,7 +119,7 @@ class RoleStatus:
         return body
 
 
-async def read_status(
+async def _read_roles(
     backend: Backend,
     bucket: str,
     *,
@@ -129,7 +128,7 @@ async def read_status(
     roster_window: float = DEFAULT_ROSTER_WINDOW_SECONDS,
     strategy: Strategy = "kv",
 ) -> list[RoleStatus]:
-    """List every role in ``bucket`` (and every role in ``roles``, held or not).
+    """Every role in ``bucket`` (and every role in ``roles``, held or not).
 
     Args:
         backend: A connected backend.
@@ -311,44 +310,55 @@ def role_to_dict(status: RoleStatus, *, configured: bool) -> dict[str, Any]:
 
 async def read_report(
     backend: Backend,
-    settings: LeaderSettings,
+    bucket: str,
     *,
-    configured_roles: Sequence[str],
+    configured_roles: Sequence[str] = (),
     only: Sequence[str] = (),
+    strategy: Strategy = "kv",
+    servers: Sequence[str] = (),
     timeout: float = 5.0,
     roster_window: float = c.DEFAULT_ROSTER_WINDOW_SECONDS,
 ) -> StatusReport:
-    """Read every role of the settings' bucket.
+    """Read who leads every role of ``bucket``: the one status API.
+
+    :func:`fetch_report` is the same from synchronous code, on a connection
+    of its own; every status command, the admin page and
+    :meth:`Elector.status <celery_nats_leader.elector.Elector.status>` read
+    through here.
 
     Args:
         backend: A connected backend.
-        settings: Bucket and servers.
+        bucket: The KV bucket (for ``"allcall"``: the subjects' namespace).
         configured_roles: Roles that must have a leader (listed even when unheld).
         only: If given, report just these roles (and require a leader for each).
+        strategy: ``"kv"`` reads the bucket; ``"allcall"`` has no bucket (no
+            JetStream), so the roles are reported from the live candidates
+            alone: the leader is the candidate that says it leads.
+        servers: The NATS servers asked (shown in the report's heading).
         timeout: Seconds for the KV reads.
         roster_window: Seconds to collect the live candidates' answers.
 
     Returns:
-        The report.
+        The report: one entry per role, sorted by role name.
 
     Raises:
         BucketNotFoundError: If the bucket does not exist.
 
     """
     expected = tuple(dict.fromkeys(only or configured_roles))
-    statuses = await read_status(
+    statuses = await _read_roles(
         backend,
-        settings.bucket,
+        bucket,
         roles=expected,
         timeout=timeout,
         roster_window=roster_window,
-        strategy=settings.strategy,
+        strategy=strategy,
     )
     if only:
         statuses = [s for s in statuses if s.role in expected]
     return StatusReport(
-        bucket=settings.bucket,
-        servers=tuple(settings.servers),
+        bucket=bucket,
+        servers=tuple(servers),
         configured_roles=expected,
         roles=tuple(statuses),
     )
@@ -360,23 +370,122 @@ def fetch_report(
     configured_roles: Sequence[str],
     only: Sequence[str] = (),
     timeout: float = 5.0,
+    roster_window: float = c.DEFAULT_ROSTER_WINDOW_SECONDS,
+    name: str | None = None,
 ) -> StatusReport:
-    """Synchronous :func:`read_report` on a connection of its own.
+    """Synchronous :func:`read_report` of the settings' bucket, on a connection of its own.
+
+    Args:
+        settings: Where to connect; the bucket, strategy and servers.
+        configured_roles: Roles that must have a leader (listed even when unheld).
+        only: If given, report just these roles (and require a leader for each).
+        timeout: Seconds for the connection and the KV reads.
+        roster_window: Seconds to collect the live candidates' answers.
+        name: The connection's name in NATS monitoring.
+
+    Returns:
+        The report.
 
     Raises:
         ElectionError: NATS unreachable, bucket missing, ...
 
     """
+    return with_backend(
+        settings,
+        lambda backend: _settings_report(
+            backend,
+            settings,
+            configured_roles=configured_roles,
+            only=only,
+            timeout=timeout,
+            roster_window=roster_window,
+        ),
+        timeout=timeout,
+        name=name or operator_name("status"),
+    )
 
-    async def run() -> StatusReport:
-        async with await open_backend(
-            settings.connection, timeout=timeout, name=operator_name("status")
-        ) as be:
-            return await read_report(
-                be, settings, configured_roles=configured_roles, only=only, timeout=timeout
-            )
 
-    return run_once(run)
+def watch_reports(
+    settings: LeaderSettings,
+    *,
+    configured_roles: Sequence[str],
+    only: Sequence[str] = (),
+    timeout: float = 5.0,
+    interval: float = 2.0,
+    count: int = 0,
+    show: Callable[[StatusReport, int], None],
+    failed: Callable[[ElectionError], None],
+    name: str | None = None,
+) -> StatusReport | None:
+    """Read the report every ``interval`` seconds on one connection (``--watch``).
+
+    Args:
+        settings: Where to connect; the bucket, strategy and servers.
+        configured_roles: Roles that must have a leader (listed even when unheld).
+        only: If given, report just these roles.
+        timeout: Seconds for the connection and each read.
+        interval: Seconds between reads (at least 0.1).
+        count: Stop after this many reads (``0``: until interrupted).
+        show: Called with each report and its refresh number (1, 2, ...).
+        failed: Called with the error of a read that failed (the watch goes on).
+        name: The connection's name in NATS monitoring.
+
+    Returns:
+        The last report read, or ``None`` when no read succeeded.
+
+    Raises:
+        ElectionError: The connection could not be opened.
+
+    """
+    pause = max(0.1, float(interval))
+
+    async def loop(backend: Backend) -> StatusReport | None:
+        last: StatusReport | None = None
+        done = 0
+        while True:
+            try:
+                report = await _settings_report(
+                    backend,
+                    settings,
+                    configured_roles=configured_roles,
+                    only=only,
+                    timeout=timeout,
+                )
+            except ElectionError as exc:
+                failed(exc)
+            else:
+                last = report
+                show(report, done + 1)
+            done += 1
+            if count and done >= count:
+                return last
+            await asyncio.sleep(pause)
+
+    return with_backend(
+        settings, loop, timeout=timeout, name=name or operator_name("status --watch")
+    )
+
+
+def _settings_report(
+    backend: Backend,
+    settings: LeaderSettings,
+    *,
+    configured_roles: Sequence[str],
+    only: Sequence[str],
+    timeout: float,
+    roster_window: float = c.DEFAULT_ROSTER_WINDOW_SECONDS,
+) -> Awaitable[StatusReport]:
+    """:func:`read_report` of the settings' bucket, with their strategy and servers."""
+    return read_report(
+        backend,
+        settings.bucket,
+        configured_roles=configured_roles,
+        only=only,
+        strategy=settings.strategy,
+        servers=settings.servers,
+        timeout=timeout,
+        roster_window=roster_window,
+    )
 
 
 async def _from_roster(backend: Backend, bucket: str, role: str, window: float) -> RoleStatus:

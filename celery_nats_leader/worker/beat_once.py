@@ -6,7 +6,7 @@ tick (:func:`~celery_nats_leader.beat.ticks.tick_task_id`) and mark it with the
 ``nats_leader_once`` header unless the entry or the settings opted out. The
 outbox may send a tick twice (a scheduler killed between its publish and its
 record, a paused one waking up): a worker with the bootstep runs the body of
-such a message under the once-guard (:func:`~celery_nats_leader.worker.once.run_task_once`),
+such a message under the once-guard (:func:`~celery_nats_leader.worker.once_tasks.run_task_once`),
 keyed by that id, whatever the task's base class. So a plain ``@app.task``
 runs each tick once, as ``OnceTask`` does.
 
@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery_nats_leader.beat.fence import ONCE_HEADER, TICK_HEADER
-from celery_nats_leader.worker.once import run_task_once
+from celery_nats_leader.worker.once_tasks import run_task_once
 
 __all__ = ["guard_beat_ticks", "is_once_tick"]
 

@@ -30,7 +30,7 @@ from celery_nats_leader.election.observer import ElectionObserver
 from celery_nats_leader.election.services import LeaderServiceRunner
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import ConfigError, ElectionError
-from celery_nats_leader.probes import ProbeServer
+from celery_nats_leader.observe.probes import ProbeServer
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 from celery_nats_leader.worker import state as worker_state
@@ -42,7 +42,7 @@ from celery_nats_leader.worker.state import SharedLeadership, WorkerLeadership
 from celery_nats_leader.worker.tasks import leader_tasks, upgrade_tasks
 
 if TYPE_CHECKING:
-    from celery_nats_leader.prometheus import PrometheusObserver
+    from celery_nats_leader.observe.prometheus import PrometheusObserver
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class LeaderService:
         self.metrics: PrometheusObserver | None = None
         if settings.metrics_port is not None:
             # Imported only when asked for: prometheus-client is an optional extra.
-            from celery_nats_leader.prometheus import PrometheusObserver
+            from celery_nats_leader.observe.prometheus import PrometheusObserver
 
             self.metrics = PrometheusObserver(
                 bucket=settings.bucket, namespace=settings.metrics_namespace

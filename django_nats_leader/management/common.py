@@ -9,14 +9,9 @@ from django.core.management.base import CommandError
 
 from celery_nats_leader.config import validate_key
 from celery_nats_leader.errors import ConfigError, ElectionError, NotLeaderError
+from celery_nats_leader.ops.output import EXIT_ERROR, EXIT_NO_LEADER
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
-
-#: Exit code when a role has no leader (or no leader accepted a request).
-EXIT_NO_LEADER = 1
-
-#: Exit code when NATS cannot be used: unreachable, bucket missing, bad settings.
-EXIT_ERROR = 2
 
 
 def load_settings() -> LeaderSettings:

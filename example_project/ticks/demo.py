@@ -42,7 +42,7 @@ from django.test.utils import override_settings
 from celery_nats_leader.errors import ElectionError
 from celery_nats_leader.nats import ConnectOptions, open_backend
 from celery_nats_leader.ops.bucket import delete_bucket
-from celery_nats_leader.ops.oneshot import run_once
+from celery_nats_leader.ops.oneshot import run_sync
 from celery_nats_leader.ops.status import fetch_report
 from ticks.ledger import Run, Verdict, verify
 
@@ -257,7 +257,7 @@ class Demo:
         level = quiet.level
         quiet.setLevel(logging.ERROR)
         try:
-            ready = run_once(lambda: _jetstream_ready(url))
+            ready = run_sync(lambda: _jetstream_ready(url))
         finally:
             quiet.setLevel(level)
         if ready:
@@ -384,7 +384,7 @@ class Demo:
         level = quiet.level
         quiet.setLevel(logging.WARNING)
         try:
-            run_once(lambda: _delete_buckets(self.url, [self.bucket, f"{self.bucket}_beat"]))
+            run_sync(lambda: _delete_buckets(self.url, [self.bucket, f"{self.bucket}_beat"]))
         finally:
             quiet.setLevel(level)
 

@@ -43,7 +43,7 @@ from celery_nats_leader.beat import (
 )
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.testing import kombu_fs
-from celery_nats_leader.worker.once import OnceTask, run_once
+from celery_nats_leader.worker.once_tasks import OnceTask, run_once
 from celery_nats_leader.worker.refused import NotRun
 
 # kombu's filesystem transport writes a message file non-atomically: a polling

@@ -18,10 +18,10 @@ from click.testing import CliRunner, Result
 
 from celery_nats_leader import ElectionConfig, Elector
 from celery_nats_leader.cli import nats_leader
-from celery_nats_leader.once import OnceGuard, Verdict
+from celery_nats_leader.recipes.once_guard import OnceGuard, Verdict
 from celery_nats_leader.settings import settings_of_app
 from celery_nats_leader.testing import NatsServer
-from celery_nats_leader.worker.once import OnceService
+from celery_nats_leader.worker.once_tasks import OnceService
 
 TTL = 2.0
 

@@ -17,8 +17,8 @@ from celery import Celery
 from celery.app.trace import build_tracer
 
 from celery_nats_leader import install, leader_only
-from celery_nats_leader.once import Claim, Verdict
-from celery_nats_leader.worker.once import OnceService, OnceTask, run_once
+from celery_nats_leader.recipes.once_guard import Claim, Verdict
+from celery_nats_leader.worker.once_tasks import OnceService, OnceTask, run_once
 from celery_nats_leader.worker.tasks import leader_options
 
 

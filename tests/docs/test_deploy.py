@@ -143,7 +143,7 @@ def test_command_lines_parse(where: str, container: dict[str, Any]) -> None:
 def test_probes_use_the_metrics_port_and_the_probe_paths(
     where: str, workload: dict[str, Any], spec: dict[str, Any]
 ) -> None:
-    from celery_nats_leader.probes import ProbeServer
+    from celery_nats_leader.observe.probes import ProbeServer
 
     (container,) = spec["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from celery_nats_leader import ElectionConfig, Elector
-from celery_nats_leader.probes import ProbeServer
+from celery_nats_leader.observe.probes import ProbeServer
 from celery_nats_leader.testing import NatsServer
 from tests.integration.helpers import ROLE, TTL
 

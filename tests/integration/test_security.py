@@ -33,7 +33,7 @@ from celery_nats_leader.nats.connection import ConnectOptions, connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.ops.events import ensure_events_stream, read_events
 from celery_nats_leader.ops.fence import fence_leader
-from celery_nats_leader.ops.status import read_status
+from celery_nats_leader.ops.status import read_report
 from celery_nats_leader.testing import NatsServer
 
 pytestmark = pytest.mark.integration
@@ -77,7 +77,8 @@ async def test_least_privilege_users(secured: NatsServer) -> None:
         assert handle.validate_token()
 
         # The viewer sees the leader (KV read + roster answer) and the events.
-        (status,) = await read_status(viewer, BUCKET, roles=[ROLE], roster_window=0.5)
+        report = await read_report(viewer, BUCKET, configured_roles=[ROLE], roster_window=0.5)
+        (status,) = report.roles
         assert (status.leader_id, status.answering) == ("w1", True)
         events = await read_events(viewer, BUCKET, role=ROLE)
         assert events is not None and [(e.id, e.event.value) for e in events] == [

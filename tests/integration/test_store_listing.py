@@ -19,7 +19,7 @@ from nats.js.kv import KeyValue
 
 from celery_nats_leader.nats.connection import ConnectOptions, connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend, JetStreamBucket
-from celery_nats_leader.ops.status import read_status
+from celery_nats_leader.ops.status import read_report
 from celery_nats_leader.record import encode_record
 from celery_nats_leader.testing import NatsServer
 from tests.integration.helpers import BUCKET, TTL
@@ -93,5 +93,8 @@ async def test_status_names_the_leader_under_the_race(
         encode_record(instance_id="cand-a", token="t", epoch=None, priority=5, meta={}),
         timeout=2,
     )
-    (status,) = await read_status(backend, BUCKET, roles=["default"], timeout=2, roster_window=0)
+    report = await read_report(
+        backend, BUCKET, configured_roles=["default"], timeout=2, roster_window=0
+    )
+    (status,) = report.roles
     assert (status.role, status.leader_id, status.epoch) == ("default", "cand-a", revision)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_nats_leader.prometheus import PrometheusObserver
+from celery_nats_leader.observe.prometheus import PrometheusObserver
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RULES = DEPLOY / "prometheus" / "nats-leader-rules.yml"

@@ -245,7 +245,7 @@ async def test_the_end_of_a_term_has_its_reason_while_the_transition_runs(
         if contexts and old is not new and not a.is_leader:
             seen.append(contexts[-1].reason)
 
-    a._add_transition_hook(look)  # registered before the service runner's
+    a.add_transition_hook(look)  # registered before the service runner's
     a.run_while_leading(service)
     await a.start()
     await wait_until(lambda: bool(contexts))

@@ -13,7 +13,13 @@ import pytest
 from celery_nats_leader.clock import ManualClock
 from celery_nats_leader.errors import BackendTimeoutError, ConfigError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryBucket, MemoryServer
-from celery_nats_leader.once import ClaimLostError, OnceGuard, Verdict, decode_once, once_key
+from celery_nats_leader.recipes.once_guard import (
+    ClaimLostError,
+    OnceGuard,
+    Verdict,
+    decode_once,
+    once_key,
+)
 from celery_nats_leader.settings import LeaderSettings
 
 LEASE = 30.0

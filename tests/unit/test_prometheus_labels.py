@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from celery_nats_leader.prometheus import PrometheusObserver
+from celery_nats_leader.observe.prometheus import PrometheusObserver
 
 
 def test_every_hook_writes_bucket_role_instance() -> None:

@@ -8,6 +8,7 @@ checker must still see their real signatures, not ``Any``. These tests run
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import textwrap
@@ -112,3 +113,32 @@ def test_internals_are_not_exported(name: str) -> None:
 def test_a_misspelt_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match=re.escape("'leader_onyl'")):
         _ = celery_nats_leader.leader_onyl  # type: ignore[attr-defined]
+
+
+#: Names that moved: ``old module:name`` -> ``new module:name``.
+MOVED = [
+    "celery_nats_leader.once:OnceGuard -> celery_nats_leader.recipes.once_guard:OnceGuard",
+    "celery_nats_leader.once:once_key -> celery_nats_leader.recipes.once_guard:once_key",
+    "celery_nats_leader.worker.once:run_once -> celery_nats_leader.worker.once_tasks:run_once",
+    "celery_nats_leader.worker.once:OnceTask -> celery_nats_leader.worker.once_tasks:OnceTask",
+    "celery_nats_leader.probes:ProbeServer -> celery_nats_leader.observe.probes:ProbeServer",
+    "celery_nats_leader.prometheus:PrometheusObserver"
+    " -> celery_nats_leader.observe.prometheus:PrometheusObserver",
+    "celery_nats_leader.ops.oneshot:run_once -> celery_nats_leader.ops.oneshot:run_sync",
+    "celery_nats_leader.election.base:DemoteReason"
+    " -> celery_nats_leader.election.vocabulary:DemoteReason",
+    "celery_nats_leader.events:event_subject"
+    " -> celery_nats_leader.election.vocabulary:event_subject",
+]
+
+
+def _resolve(path: str) -> object:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("moved", MOVED)
+def test_a_moved_name_keeps_its_old_import_path(moved: str) -> None:
+    # Documented import paths of modules that moved keep working (re-exports).
+    old, _, new = moved.partition(" -> ")
+    assert _resolve(old) is _resolve(new)

@@ -14,46 +14,47 @@ misconfigured, 2 when NATS cannot be used.
 
 from __future__ import annotations
 
-import json
 from argparse import ArgumentParser
-from dataclasses import asdict
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.config import validate_bucket
 from celery_nats_leader.errors import ConfigError, ElectionError
-from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.bucket import (
     BucketAction,
     BucketOutcome,
     BucketTarget,
     EpochFloor,
-    apply_to_buckets,
     bucket_targets,
+    buckets_document,
+    events_stream_of,
     floor_lines,
-    migrate_bucket,
     outcome_lines,
+    set_up_buckets,
 )
-from celery_nats_leader.ops.events import StreamInfo, ensure_events_stream, stream_info
-from celery_nats_leader.ops.oneshot import operator_name, run_once
+from celery_nats_leader.ops.events import StreamInfo
+from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
 from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
+
+#: Who the command is, in NATS monitoring (see :func:`operator_name`).
+TOOL = "manage.py election_bucket"
 
 
 def inspect_or_create(
     settings: LeaderSettings, wanted: list[BucketTarget], *, create: bool, timeout: float
 ) -> list[BucketOutcome]:
     """Read every bucket's settings, creating the missing ones when ``create`` is set."""
-
-    async def run() -> list[BucketOutcome]:
-        name = operator_name("manage.py election_bucket")
-        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
-            action: BucketAction = "create" if create else "check"
-            return await apply_to_buckets(backend, wanted, action, timeout=timeout)
-
-    return run_once(run)
+    action: BucketAction = "create" if create else "check"
+    outcomes, _ = with_backend(
+        settings,
+        lambda backend: set_up_buckets(backend, wanted, action, timeout=timeout),
+        timeout=timeout,
+        name=operator_name(TOOL),
+    )
+    return outcomes
 
 
 def migrate(
@@ -63,40 +64,35 @@ def migrate(
     source: str | None,
     floor: int,
     timeout: float,
-) -> tuple[list[BucketOutcome], EpochFloor]:
+) -> tuple[list[BucketOutcome], EpochFloor | None]:
     """Create the election bucket with its epochs above ``source``'s (and ``floor``)."""
-
-    async def run() -> tuple[list[BucketOutcome], EpochFloor]:
-        name = operator_name("manage.py election_bucket")
-        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
-            first, carried = await migrate_bucket(
-                backend, wanted[0], source=source, floor=floor, timeout=timeout
-            )
-            rest = await apply_to_buckets(backend, wanted[1:], "create", timeout=timeout)
-            return [first, *rest], carried
-
-    return run_once(run)
+    return with_backend(
+        settings,
+        lambda backend: set_up_buckets(
+            backend, wanted, "create", migrate_from=source, epoch_floor=floor, timeout=timeout
+        ),
+        timeout=timeout,
+        name=operator_name(TOOL),
+    )
 
 
-def events_stream_of(
+def stream_of(
     settings: LeaderSettings, bucket: str, *, max_age: float, create: bool, timeout: float
 ) -> StreamInfo | None:
     """The bucket's events stream (created with ``create``), or ``None``."""
-
-    async def run() -> StreamInfo | None:
-        name = operator_name("manage.py election_bucket")
-        async with await open_backend(settings.connection, timeout=timeout, name=name) as backend:
-            if create:
-                return await ensure_events_stream(
-                    backend,
-                    bucket,
-                    max_age=max_age,
-                    replicas=settings.bucket_replicas,
-                    timeout=timeout,
-                )
-            return await stream_info(backend, bucket, timeout=timeout)
-
-    return run_once(run)
+    return with_backend(
+        settings,
+        lambda backend: events_stream_of(
+            backend,
+            bucket,
+            create=create,
+            max_age=max_age,
+            replicas=settings.bucket_replicas,
+            timeout=timeout,
+        ),
+        timeout=timeout,
+        name=operator_name(TOOL),
+    )
 
 
 class Command(BaseCommand):
@@ -208,7 +204,7 @@ class Command(BaseCommand):
         stream = None
         if options["events_max_age"] is not None:
             try:
-                stream = events_stream_of(
+                stream = stream_of(
                     settings,
                     wanted[0].name,
                     max_age=options["events_max_age"],
@@ -220,12 +216,14 @@ class Command(BaseCommand):
                     f"cannot set up the events stream: {exc}", returncode=EXIT_ERROR
                 ) from exc
         if options["json"]:
-            body: dict[str, Any] = {"ok": not failing, "buckets": [o.to_dict() for o in outcomes]}
-            if options["events_max_age"] is not None:
-                body["events_stream"] = None if stream is None else asdict(stream)
-            if carried is not None:
-                body["epoch_floor"] = carried.to_dict()
-            self.stdout.write(json.dumps(body, sort_keys=True))
+            self.stdout.write(
+                buckets_document(
+                    outcomes,
+                    floor=carried,
+                    stream=stream,
+                    with_stream=options["events_max_age"] is not None,
+                )
+            )
         else:
             for outcome in outcomes:
                 self._show(outcome)

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import json
 from argparse import ArgumentParser
+from collections.abc import Awaitable
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from celery_nats_leader.backend import Backend
 from celery_nats_leader.errors import ElectionError
 from celery_nats_leader.events import TransitionEvent
-from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.events import show_events
-from celery_nats_leader.ops.oneshot import operator_name, run_once
+from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from django_nats_leader.management.common import EXIT_ERROR, load_settings
 
 
@@ -55,24 +56,25 @@ class Command(BaseCommand):
                 self.stdout.write(event.describe())
             self.stdout.flush()
 
-        async def run() -> bool:
-            name = operator_name("manage.py election_events")
-            async with await open_backend(
-                settings.connection, timeout=options["timeout"], name=name
-            ) as backend:
-                return await show_events(
-                    backend,
-                    settings.bucket,
-                    emit,
-                    role=options["role"],
-                    follow=options["follow"],
-                    limit=options["limit"],
-                    count=options["count"],
-                    timeout=options["timeout"],
-                )
+        def run(backend: Backend) -> Awaitable[bool]:
+            return show_events(
+                backend,
+                settings.bucket,
+                emit,
+                role=options["role"],
+                follow=options["follow"],
+                limit=options["limit"],
+                count=options["count"],
+                timeout=options["timeout"],
+            )
 
         try:
-            kept = run_once(run)
+            kept = with_backend(
+                settings,
+                run,
+                timeout=options["timeout"],
+                name=operator_name("manage.py election_events"),
+            )
         except KeyboardInterrupt:
             return
         except ElectionError as exc:

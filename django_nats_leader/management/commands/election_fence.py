@@ -37,6 +37,7 @@ from celery_nats_leader.errors import ElectionError
 from celery_nats_leader.ops.fence import (
     DEFAULT_HANDOVER_WAIT,
     FenceOutcome,
+    fence_lines,
     request_fence,
     wait_for_successor,
 )
@@ -233,16 +234,9 @@ class Command(BaseCommand):
             body["database_epoch"] = database_epoch
             self.stdout.write(json.dumps(body, sort_keys=True))
             return
-        self.stdout.write(self.style.SUCCESS(outcome.describe()))
+        (_, ended), *successor = fence_lines(outcome, float(wait))
+        self.stdout.write(self.style.SUCCESS(ended))
         if database_epoch is not None:
             self.stdout.write(f"database fence of {role!r} at epoch {database_epoch}")
-        if outcome.successor is not None:
-            took = (outcome.promoted_after or 0.0) * 1000
-            self.stdout.write(
-                self.style.SUCCESS(
-                    f"new leader of {role!r}: {outcome.successor.id} "
-                    f"(epoch {outcome.successor.epoch}) after {took:.0f} ms"
-                )
-            )
-        elif float(wait) > 0:
-            self.stdout.write(self.style.WARNING(f"no new leader of {role!r} within {wait:g}s"))
+        for good, line in successor:
+            self.stdout.write(self.style.SUCCESS(line) if good else self.style.WARNING(line))

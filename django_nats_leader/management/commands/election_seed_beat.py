@@ -20,11 +20,9 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.errors import ElectionError
-from celery_nats_leader.nats import open_backend
-from celery_nats_leader.ops.oneshot import operator_name, run_once
+from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.ops.seed import (
     LastRun,
-    SeedOutcome,
     last_runs_from_rows,
     seed_lines,
     seed_schedule_state,
@@ -66,12 +64,10 @@ class Command(BaseCommand):
         timeout = float(options["timeout"])
         last_runs = periodic_task_last_runs()
 
-        async def run() -> list[SeedOutcome]:
-            name = operator_name("manage.py election_seed_beat")
-            async with await open_backend(
-                settings.connection, timeout=timeout, name=name
-            ) as backend:
-                return await seed_schedule_state(
+        try:
+            outcomes = with_backend(
+                settings,
+                lambda backend: seed_schedule_state(
                     backend,
                     settings.beat_state_bucket,
                     settings.beat_role,
@@ -80,10 +76,10 @@ class Command(BaseCommand):
                     create_bucket=settings.create_bucket,
                     replicas=settings.bucket_replicas,
                     timeout=timeout,
-                )
-
-        try:
-            outcomes = run_once(run)
+                ),
+                timeout=timeout,
+                name=operator_name("manage.py election_seed_beat"),
+            )
         except ElectionError as exc:
             raise CommandError(
                 f"cannot seed {settings.beat_state_bucket!r}: {exc}", returncode=EXIT_ERROR

@@ -8,7 +8,6 @@ the elections cannot be read (NATS unreachable, bucket missing, invalid settings
 
 from __future__ import annotations
 
-import asyncio
 import json
 from argparse import ArgumentParser
 from datetime import datetime, timezone
@@ -17,18 +16,12 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.errors import ElectionError
-from celery_nats_leader.nats import open_backend
-from celery_nats_leader.ops.oneshot import operator_name, run_once
-from celery_nats_leader.ops.status import StatusReport, fetch_report, read_report
+from celery_nats_leader.ops.oneshot import operator_name
+from celery_nats_leader.ops.output import EXIT_ERROR, EXIT_NO_LEADER, status_text
+from celery_nats_leader.ops.status import StatusReport, fetch_report, watch_reports
 from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
-from django_nats_leader.management.common import (
-    EXIT_ERROR,
-    EXIT_NO_LEADER,
-    checked_role,
-    load_settings,
-)
-from django_nats_leader.render import status_text
+from django_nats_leader.management.common import checked_role, load_settings
 
 
 def _iso(at: datetime) -> str:
@@ -149,46 +142,31 @@ class Command(BaseCommand):
         options: dict[str, Any],
     ) -> StatusReport | None:
         """Refresh on one connection; return the last report (None if interrupted first)."""
-        interval = max(0.1, float(options["interval"]))
-        count = int(options["count"])
         clear = not options["json"] and self.stdout.isatty()
-        last: list[StatusReport] = []
 
-        async def loop() -> None:
-            async with await open_backend(
-                settings.connection,
-                timeout=options["timeout"],
-                name=operator_name("election_status --watch"),
-            ) as backend:
-                shown = 0
-                while True:
-                    try:
-                        report = await read_report(
-                            backend,
-                            settings,
-                            configured_roles=expected,
-                            only=only,
-                            timeout=options["timeout"],
-                        )
-                    except ElectionError as exc:
-                        self.stderr.write(f"cannot read the elections: {exc}")
-                    else:
-                        last[:] = [report]
-                        at = datetime.now(timezone.utc)
-                        self._show(
-                            report, as_json=options["json"], clear=clear, refresh=(shown + 1, at)
-                        )
-                    shown += 1
-                    if count and shown >= count:
-                        return
-                    await asyncio.sleep(interval)
+        def show(report: StatusReport, number: int) -> None:
+            at = datetime.now(timezone.utc)
+            self._show(report, as_json=options["json"], clear=clear, refresh=(number, at))
+
+        def failed(exc: ElectionError) -> None:
+            self.stderr.write(f"cannot read the elections: {exc}")
 
         try:
-            run_once(loop)
+            last = watch_reports(
+                settings,
+                configured_roles=expected,
+                only=only,
+                timeout=options["timeout"],
+                interval=options["interval"],
+                count=int(options["count"]),
+                show=show,
+                failed=failed,
+                name=operator_name("election_status --watch"),
+            )
         except KeyboardInterrupt:
             return None  # the operator stopped watching: not a failed probe
         except ElectionError as exc:
             raise CommandError(f"cannot watch the elections: {exc}", returncode=EXIT_ERROR) from exc
-        if not last:
+        if last is None:
             raise CommandError("no refresh could read the elections", returncode=EXIT_ERROR)
-        return last[0]
+        return last

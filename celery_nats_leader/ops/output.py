@@ -1,17 +1,41 @@
-"""The status table as text (``election_status``) and as rows (the admin page).
+"""What the operator commands print, and how they exit.
 
-Both show the same thing: one line per role (leader, term epoch, term age,
-time until the key expires) and, under it, every live candidate with its
-state, priority and last heartbeat.
+Shared by ``celery nats-leader`` and the ``manage.py election_*`` commands,
+which only parse their arguments and print these lines:
+
+* the exit codes (:data:`EXIT_OK`, :data:`EXIT_NO_LEADER`, :data:`EXIT_ERROR`);
+* the status report as ``election_status`` and the admin page show it
+  (:func:`status_text`, :func:`role_rows`: one line per role, and under it
+  every live candidate) and as ``celery nats-leader status`` shows it
+  (:func:`status_lines`, :func:`status_document`: one table row per role).
+
+The other operations' outcomes render next to them: :mod:`.resign`
+(``outcome_lines``, ``outcome_to_dict``), :mod:`.fence` (``fence_lines``,
+``FenceOutcome.to_dict``), :mod:`.bucket` (``outcome_lines``, ``floor_lines``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from celery_nats_leader.ops.status import RoleStatus, StatusReport
+
+#: Exit code: all is well.
+EXIT_OK = 0
+
+#: Exit code when a configured role has no leader, no leader stepped down or
+#: accepted a request, or a bucket is missing or does not fit.
+EXIT_NO_LEADER = 1
+
+#: Exit code when NATS cannot be used: unreachable, bucket missing, bad settings.
+EXIT_ERROR = 2
+
+#: A line to print, and whether it is good news (``False``: a warning or an
+#: error; the CLI prints those on stderr).
+Line = tuple[bool, str]
 
 #: Styles a whole line (Django's ``self.style.SUCCESS`` and friends).
 Painter = Callable[[str], str]
@@ -225,4 +249,94 @@ def status_text(
     return "\n".join(lines)
 
 
-__all__ = ["NO_LEADER", "CandidateRow", "RoleRow", "role_rows", "seconds", "status_text", "value"]
+_BRIEF_HEADERS = ("ROLE", "LEADER", "EPOCH", "TERM AGE", "EXPIRES IN", "HOST", "PID", "WORKER")
+
+
+def status_lines(report: StatusReport) -> list[Line]:
+    """The report as ``celery nats-leader status`` prints it: one table row per role.
+
+    Args:
+        report: What to show.
+
+    Returns:
+        The heading, the table and one line per role with a note; then, when
+        a configured role has no leader, a ``no leader: ...`` line that is
+        not good (printed on stderr).
+
+    """
+    rows = []
+    for status in report.roles:
+        meta = status.leader_meta
+        configured = status.role in report.configured_roles
+        leader = status.leader_id or (NO_LEADER if configured else "-")
+        if status.problem:
+            leader = f"?? {status.problem}"
+        elif status.silent:
+            leader = f"{leader} (not answering)"
+        elif status.fenced is not None:
+            leader = "-- fenced --"
+        rows.append(
+            (
+                status.role,
+                leader,
+                "" if status.epoch is None else str(status.epoch),
+                "" if status.term_age is None else f"{status.term_age:.1f}s",
+                "" if status.expires_in is None else f"{status.expires_in:.1f}s",
+                str(meta.get("hostname", "")),
+                str(meta.get("pid", "")),
+                str(meta.get("worker", "")),
+            )
+        )
+    lines: list[Line] = [(True, f"bucket {report.bucket!r} on {', '.join(report.servers)}")]
+    lines += [(True, text) for text in _table(_BRIEF_HEADERS, rows, [None] * len(rows))]
+    lines += [
+        (True, f"{one.role}: {one.leader_id or 'nobody leads'}: {one.note}")
+        for one in report.roles
+        if one.note
+    ]
+    if report.leaderless:
+        lines.append((False, f"no leader: {', '.join(report.leaderless)}"))
+    return lines
+
+
+def status_document(report: StatusReport) -> str:
+    """The report as ``celery nats-leader status --json`` prints it.
+
+    ``election_status --json`` prints :meth:`StatusReport.to_dict`, a superset
+    at the top level and in the role fields.
+    """
+    body = {
+        "bucket": report.bucket,
+        "configured_roles": list(report.configured_roles),
+        "leaderless": report.leaderless,
+        "silent": report.silent,
+        "roles": [s.to_dict() for s in report.roles],
+    }
+    return json.dumps(body, indent=2, sort_keys=True, default=str)
+
+
+def status_exit_code(report: StatusReport, *, strict: bool = False) -> int:
+    """The status commands' exit code: :data:`EXIT_OK`, or :data:`EXIT_NO_LEADER`.
+
+    :data:`EXIT_NO_LEADER` when a configured role has no leader, or with
+    ``strict`` when a configured role's leader does not answer.
+    """
+    return EXIT_NO_LEADER if report.leaderless or (strict and report.silent) else EXIT_OK
+
+
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_NO_LEADER",
+    "EXIT_OK",
+    "NO_LEADER",
+    "CandidateRow",
+    "Line",
+    "RoleRow",
+    "role_rows",
+    "seconds",
+    "status_document",
+    "status_exit_code",
+    "status_lines",
+    "status_text",
+    "value",
+]
