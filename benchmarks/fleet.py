@@ -321,7 +321,7 @@ def measure(
     return out
 
 
-def rolling_restart(fleet: Fleet, followers: list[str], leader: str) -> dict[str, int]:
+def rolling_restart(fleet: Fleet, followers: list[str], leader: str) -> dict[str, Any]:
     """Restart every candidate once, the leader halfway through; count the leader changes.
 
     After the leader's restart, wait for its successor's promote before going
@@ -346,7 +346,18 @@ def rolling_restart(fleet: Fleet, followers: list[str], leader: str) -> dict[str
         while True:
             fleet.wait(lambda e: False, 1.0)
     changes = sum(1 for e in fleet.seen[mark:] if e["event"] == "promoted")
-    return {"restarts": len(order), "changes": changes, "leader_restarts": leader_restarts}
+    # A term that ended otherwise than by its holder's stop: why it ended.
+    others = sorted(
+        e["reason"]
+        for e in fleet.seen[mark:]
+        if e["event"] == "demoted" and e["reason"] != "stopped"
+    )
+    return {
+        "restarts": len(order),
+        "changes": changes,
+        "leader_restarts": leader_restarts,
+        "other_demotions": others,
+    }
 
 
 def _ms(values: list[float]) -> str:
@@ -386,6 +397,7 @@ def table(title: str, columns: list[dict[str, Any]]) -> None:
             lambda c: (
                 f"{c['rolling']['changes']} / {c['rolling']['leader_restarts']}"
                 + ("" if c["rolling"]["changes"] == c["rolling"]["leader_restarts"] else " ✗")
+                + "".join(f" (demoted: {r})" for r in c["rolling"]["other_demotions"])
             ),
         ),
     ]
