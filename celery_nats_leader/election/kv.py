@@ -88,6 +88,9 @@ class Election(BaseElection):
         self._renewal_value = b""
         self._unconfirmed_send: float | None = None
         self._deadline_timer: asyncio.TimerHandle | None = None
+        # The lease deadline and term the timer was armed for.
+        self._deadline_timer_at = 0.0
+        self._deadline_timer_token: FencingToken | None = None
         self._hand_over_task: asyncio.Task[None] | None = None
 
         # What we know of the key (both sides).
@@ -462,6 +465,11 @@ class Election(BaseElection):
         if self._state is ElectionState.LEADER and self._token is not None:
             if entry.revision <= self._revision:
                 return
+            if entry.operation is Operation.PUT and entry.value == self._renewal_value:
+                # Our own renewal, seen before its acknowledgement: the same
+                # bytes carry our token. Comparing them spares decoding the
+                # JSON on every renewal of every role this process leads.
+                return
             record = self._decode(entry) if entry.operation is Operation.PUT else None
             if record is not None and record.token == self._token.value:
                 return  # our own renewal, seen before its acknowledgement
@@ -830,10 +838,22 @@ class Election(BaseElection):
         not wait for that call to time out.
         """
         if self._deadline_timer is not None:
+            if (
+                self._deadline_timer_token is self._token
+                and self._deadline_timer_at <= self._lease_deadline
+            ):
+                # A renewal moved the deadline later: the timer fires first,
+                # finds the lease valid and arms itself for the new deadline
+                # (_on_deadline). It never fires after the deadline; and a
+                # leader no longer cancels and schedules a timer on every
+                # renewal (one per lease instead of one per heartbeat).
+                return
             self._deadline_timer.cancel()
         loop = asyncio.get_running_loop()
         delay = max(0.0, self._lease_deadline - self._clock.monotonic())
         self._deadline_timer = loop.call_later(delay, self._on_deadline, self._token)
+        self._deadline_timer_at = self._lease_deadline
+        self._deadline_timer_token = self._token
 
     def _on_deadline(self, token: FencingToken | None) -> None:
         self._deadline_timer = None

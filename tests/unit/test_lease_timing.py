@@ -8,6 +8,7 @@ only moves when a test moves it, so "a write timed out a minute ago" is one
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -262,3 +263,66 @@ async def test_the_lease_margin_covers_clock_rate_drift_up_to_the_documented_bou
     finally:
         for election in (a, b):
             await election.stop()
+
+
+class _Renewals:
+    """An election observer that keeps the send time of each confirmed renewal."""
+
+    def __init__(self) -> None:
+        self.sent: list[float] = []
+
+    def state_changed(self, role: str, instance_id: str, old: str, new: str) -> None:
+        """Ignore."""
+
+    def campaign(self, role: str, instance_id: str, won: bool) -> None:
+        """Ignore."""
+
+    def heartbeat(self, role: str, instance_id: str, seconds: float, ok: bool) -> None:
+        """Keep the send time of a confirmed renewal."""
+        if ok:
+            self.sent.append(time.monotonic() - seconds)
+
+    def validation(self, role: str, instance_id: str, ok: bool) -> None:
+        """Ignore."""
+
+
+async def test_a_leader_whose_renewal_hangs_steps_down_at_the_last_lease_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After two renewals, a renewal that never returns: demoted at its lease's end.
+
+    On the real clock. The renewal hangs past any timeout, so only the lease
+    timer can end the term. The timer armed at the promotion is due before the
+    renewals' deadline (renewals do not re-schedule it): it must find the
+    lease still valid, wait on, and end the term at the last confirmed send +
+    ``lease_seconds``, not later.
+    """
+    renewals = _Renewals()
+    backend = MemoryBackend(MemoryServer())
+    config = ElectionConfig(role="beat", ttl=TTL, instance_id="a", create_bucket=True)
+    watched = Watched(Election(config, backend=backend, observer=renewals), backend)
+    election = watched.election
+    demoted = asyncio.Event()
+    election.on_demote(lambda reason: demoted.set())
+    original = MemoryBucket.update
+    hang = asyncio.Event()
+
+    async def update(self: MemoryBucket, key: str, value: bytes, **kwargs: Any) -> int:
+        if len(renewals.sent) >= 2:
+            await hang.wait()  # never set: no answer, no timeout
+        result: int = await original(self, key, value, **kwargs)
+        return result
+
+    monkeypatch.setattr(MemoryBucket, "update", update)
+    try:
+        await election.start()
+        await asyncio.wait_for(demoted.wait(), 4 * TTL)
+        demoted_at = time.monotonic()
+        assert len(renewals.sent) == 2
+        assert watched.demotions == [DemoteReason.LEASE_EXPIRED]
+        late = demoted_at - (renewals.sent[-1] + config.lease_seconds)
+        # Never early; late only by the loop's timer latency (a loaded machine).
+        assert 0.0 <= late < 0.1
+    finally:
+        hang.set()
+        await election.stop()
