@@ -33,6 +33,10 @@ keep one code path each.
   two seconds apart, and acks still pending at a warm shutdown are dropped
   (the messages are delivered again). Celery 5.7's ``call_soon_ack`` sends
   them at once; the same is done here for older consumers.
+* :func:`pool_shutdown_tells_every_process`: not a version difference but a
+  race in billiard's threaded pool (4.3.2 and before) that can keep a
+  prefork worker without an event loop from ever finishing its warm
+  shutdown; worked around for the workers the package runs in.
 
 This module imports Celery: only the Celery integration (``beat``,
 ``worker``) imports it, never the core.
@@ -62,6 +66,7 @@ __all__ = [
     "deadline_left_to_the_slots",
     "hub_wakes_on_call_soon",
     "immediate_acks",
+    "pool_shutdown_tells_every_process",
     "slot_schedule",
     "slots_overrule_is_due",
 ]
@@ -326,6 +331,65 @@ def immediate_acks(consumer: Any) -> bool:
             del consumer.call_soon
 
     consumer.create_task_handler = create_task_handler
+    return True
+
+
+def _tell_others_from_a_copy(handler: Any) -> None:
+    # billiard's tell_others() reads ``self.pool`` once and sends one sentinel
+    # per process while iterating it: hand it a copy of the list for that.
+    live = handler.pool
+    handler.pool = list(live)  # one step under the GIL: no removal gets in between
+    try:
+        type(handler).tell_others(handler)
+    finally:
+        handler.pool = live
+
+
+def pool_shutdown_tells_every_process(pool: Any) -> bool:
+    """Make a warm shutdown of ``pool`` tell each of its processes to exit.
+
+    Without an event loop (a transport without async support: filesystem,
+    SQLAlchemy, ...) Celery's prefork pool is billiard's threaded ``Pool``.
+    Its warm shutdown ends in ``TaskHandler.tell_others()``, which puts one
+    ``None`` on the processes' shared inqueue for each process while
+    iterating ``Pool._pool``, the live list. An idle process takes the first
+    ``None`` and exits (the result handler SIGTERMs it on its ``DEATH``
+    message), and the result handler thread
+    (``ResultHandler.finish_at_shutdown()``, through
+    ``Pool._join_exited_workers()``) reaps it and deletes it from that list,
+    within milliseconds if the process dies before the handler's
+    ``waitpid()``. When that happens before the loop's next step (on a
+    loaded host the task handler thread can wait that long for the CPU after
+    its write), the list has shifted under the loop, which skips a process:
+    one ``None`` too few.
+    The process still running a task then waits for work after it forever,
+    and ``Pool.join()`` waits for that process: the worker never exits. Here
+    the task handler counts the processes from a copy of the list taken
+    before the first ``None``: a process that exits meanwhile leaves an
+    unread ``None`` behind, which is harmless.
+
+    Call from a worker bootstep's ``start()`` that runs after the pool's
+    (the ``None`` are sent when the pool closes, at shutdown).
+
+    Args:
+        pool: The worker's pool (``worker.pool``).
+
+    Returns:
+        Whether the pool was changed (``False`` for an event-loop prefork
+        pool, whose shutdown does not use the task handler thread, for the
+        other pools, and when already changed).
+
+    """
+    threaded = getattr(pool, "_pool", None)  # Celery's prefork TaskPool wraps billiard's Pool
+    handler = getattr(threaded, "_task_handler", None)
+    if (
+        handler is None
+        or not getattr(threaded, "threads", False)
+        or not isinstance(getattr(handler, "pool", None), list)
+        or "tell_others" in vars(handler)
+    ):
+        return False
+    handler.tell_others = functools.partial(_tell_others_from_a_copy, handler)
     return True
 
 

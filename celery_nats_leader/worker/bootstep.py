@@ -26,7 +26,11 @@ from typing import Any, NoReturn
 
 from celery import bootsteps
 
-from celery_nats_leader.celery_compat import hub_wakes_on_call_soon, immediate_acks
+from celery_nats_leader.celery_compat import (
+    hub_wakes_on_call_soon,
+    immediate_acks,
+    pool_shutdown_tells_every_process,
+)
 from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.worker.service import LeaderService
@@ -76,6 +80,9 @@ class NatsLeaderBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Cele
 
     def start(self, worker: Any) -> None:
         """Connect and campaign (see :meth:`LeaderService.start`)."""
+        # A billiard race could otherwise keep the warm shutdown that hands
+        # the roles over from ever ending (see the function).
+        pool_shutdown_tells_every_process(getattr(worker, "pool", None))
         try:
             self.service.start()
         except ConfigError as exc:

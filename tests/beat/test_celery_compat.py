@@ -7,9 +7,12 @@ installed ``crontab`` itself does, so a probe that lies fails here.
 
 from __future__ import annotations
 
+import os
+import select
 import socket
 import threading
 import time
+import warnings
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -185,3 +188,96 @@ def test_call_soon_from_another_thread_wakes_the_event_loop() -> None:
         waker.writer.close()
     # Without a wake-up the callback waits for the poll's timeout (1-10 s).
     assert latency < 0.5, latency
+
+
+def _run_until_released(started: int, release: int) -> str:
+    """The pool test's task: says it runs, then waits for the test's byte."""
+    os.write(started, b"s")
+    os.read(release, 1)
+    return "done"
+
+
+@pytest.mark.parametrize("workaround", [True, False], ids=["workaround", "billiard-alone"])
+def test_a_warm_shutdown_tells_the_process_running_a_task_to_exit(workaround: bool) -> None:
+    """Celery's prefork pool without an event loop (billiard's threaded pool) closes
+    while one process runs a task and the other idles. The idle one exits on the
+    first sentinel and is reaped before the task handler sends the next: what a
+    loaded host does now and then, made certain here."""
+    from celery.concurrency.prefork import TaskPool
+
+    app = Celery("compat-pool", set_as_current=False)
+    started_r, started_w = os.pipe()
+    release_r, release_w = os.pipe()
+    pool = TaskPool(limit=2, app=app, threads=True, initargs=(app, "compat@test"))
+    with warnings.catch_warnings():
+        # Python 3.12+ warns about fork() in a threaded process (pytest's):
+        # the children only run the pool's loop.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pool.start()
+    threaded = pool._pool
+    handler = threaded._task_handler
+    try:
+        if workaround:
+            assert celery_compat.pool_shutdown_tells_every_process(pool)
+            assert not celery_compat.pool_shutdown_tells_every_process(pool)  # once
+
+        reaped = threading.Event()
+        result_handler = threaded._result_handler
+        join_exited = result_handler.join_exited_workers
+
+        def join_exited_workers(shutdown: bool = False) -> Any:
+            try:
+                return join_exited(shutdown=shutdown)
+            finally:
+                if len(threaded._pool) < 2:
+                    reaped.set()
+
+        result_handler.join_exited_workers = join_exited_workers
+        put = handler.put
+        sentinels: list[None] = []
+
+        def put_then_wait(obj: Any) -> None:
+            put(obj)
+            if obj is None:
+                sentinels.append(obj)
+                if len(sentinels) == 1:
+                    reaped.wait(30)  # the process that took it is gone from the pool
+
+        handler.put = put_then_wait
+        done = threading.Event()
+        results: list[str] = []
+
+        def on_result(value: str) -> None:
+            results.append(value)
+            done.set()
+
+        pool.apply_async(_run_until_released, args=(started_w, release_r), callback=on_result)
+        assert select.select([started_r], [], [], 30)[0], "the task did not start"
+        os.read(started_r, 1)
+
+        pool.close()  # the warm shutdown's first step
+        assert reaped.wait(30), "the idle process was not reaped"
+        handler.join(30)  # every sentinel sent
+        os.write(release_w, b"r")
+        assert done.wait(30)
+        assert results == ["done"]
+        if workaround:
+            joined = threading.Event()
+            threading.Thread(target=lambda: (threaded.join(), joined.set()), daemon=True).start()
+            assert joined.wait(30), "a pool process did not exit"
+            assert len(sentinels) == 2
+        else:
+            # billiard alone: one sentinel for two processes. Nothing is left
+            # to read, and nothing more will be written: the process that ran
+            # the task waits for work forever, and so would Pool.join(). (If
+            # this fails, billiard counts its sentinels right by itself.)
+            assert len(sentinels) == 1
+            assert [p for p in threaded._pool if p.is_alive()]
+            assert not threaded._inqueue._reader.poll(0)
+    finally:
+        for process in list(threaded._pool):
+            if process.is_alive():
+                process.terminate()
+        threaded.terminate()
+        for fd in (started_r, started_w, release_r, release_w):
+            os.close(fd)
