@@ -34,6 +34,10 @@ keep one code path each.
   from the elector's thread) come that late; kombu 5.7's hub has a waker
   socket, the same is added here to older hubs.
 * :func:`beat_nodename`: ``celery.beat.beat_nodename`` exists from 5.7 on.
+* :func:`replaced_task_nesting`: ``Task.replace()`` marks the replacement
+  with ``replaced_task_nesting``; Celery 5.3 does not put it in the task
+  message's headers (its ``send_task`` passes the unknown option on as a
+  message property), so the worker's request has it under ``properties``.
 * :func:`immediate_acks`: before Celery 5.7 a worker without an event loop
   (the solo and threads pools, transports without async support) defers
   every ack to the top of its next loop iteration, after a
@@ -71,6 +75,7 @@ __all__ = [
     "deadline_left_to_the_slots",
     "hub_wakes_on_call_soon",
     "immediate_acks",
+    "replaced_task_nesting",
     "slot_schedule",
     "slots_overrule_is_due",
     "solar_measures_in_utc",
@@ -375,6 +380,27 @@ def beat_nodename() -> str:
     if callable(nodename):
         return str(nodename())
     return f"celerybeat@{socket.gethostname()}"
+
+
+def replaced_task_nesting(request: Any) -> int:
+    """How many ``Task.replace()`` calls led to the task of ``request`` (0: none).
+
+    Read from the request's headers where Celery puts it (5.4 on), else from
+    the message's properties, where Celery 5.3 leaves it.
+
+    Args:
+        request: A task's ``request`` (a Celery ``Context``).
+
+    Returns:
+        The nesting, ``0`` for a task that replaces nothing.
+
+    """
+    nesting = getattr(request, "replaced_task_nesting", 0)
+    if not nesting:
+        properties = getattr(request, "properties", None)
+        if isinstance(properties, dict):
+            nesting = properties.get("replaced_task_nesting", 0)
+    return int(nesting or 0)
 
 
 def immediate_acks(consumer: Any) -> bool:

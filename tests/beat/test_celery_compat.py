@@ -229,3 +229,15 @@ def test_call_soon_from_another_thread_wakes_the_event_loop() -> None:
         waker.writer.close()
     # Without a wake-up the callback waits for the poll's timeout (1-10 s).
     assert latency < 0.5, latency
+
+
+def test_replaced_task_nesting_from_the_headers_or_celery_53s_properties() -> None:
+    from celery.app.task import Context
+
+    # Celery 5.4+: a header, so an attribute of the request.
+    assert celery_compat.replaced_task_nesting(Context({"replaced_task_nesting": 2})) == 2
+    # Celery 5.3: a message property (its send_task passes the option on).
+    by_property = Context({"properties": {"replaced_task_nesting": 1}})
+    assert celery_compat.replaced_task_nesting(by_property) == 1
+    assert celery_compat.replaced_task_nesting(Context({"properties": {}})) == 0
+    assert celery_compat.replaced_task_nesting(Context({})) == 0
