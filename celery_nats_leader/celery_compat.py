@@ -13,6 +13,14 @@ keep one code path each.
   missed minutes of an old day are jumped over). :func:`slot_schedule`
   gives such a crontab Celery 5.7's arithmetic, so the slots the scheduler
   dispatches are the same on every supported Celery.
+* :func:`solar_measures_in_utc`: before Celery 5.7, ``solar.remaining_estimate()``
+  subtracts the next event and ``now`` as wall-clock times when both are in
+  the app's timezone (Python's arithmetic between datetimes of one zone), so
+  across a DST change it is an hour off: a sunset of an app in
+  ``Europe/Paris`` asked in October from a March ``last_run_at`` comes out
+  at 16:39 UTC instead of 17:39 UTC. :func:`slot_schedule` gives such a
+  solar a ``now`` in UTC (:class:`SolarSlots`), so its slots are the events
+  ephem computes, as on Celery 5.7.
 * :func:`crontab_deadline_counts_the_due_slot` / :func:`deadline_left_to_the_slots`:
   before Celery 5.7, with ``beat_cron_starting_deadline`` set, a crontab
   slot missed past the deadline makes ``crontab.is_due()`` refuse the next
@@ -26,6 +34,10 @@ keep one code path each.
   from the elector's thread) come that late; kombu 5.7's hub has a waker
   socket, the same is added here to older hubs.
 * :func:`beat_nodename`: ``celery.beat.beat_nodename`` exists from 5.7 on.
+* :func:`replaced_task_nesting`: ``Task.replace()`` marks the replacement
+  with ``replaced_task_nesting``; Celery 5.3 does not put it in the task
+  message's headers (its ``send_task`` passes the unknown option on as a
+  message property), so the worker's request has it under ``properties``.
 * :func:`immediate_acks`: before Celery 5.7 a worker without an event loop
   (the solo and threads pools, transports without async support) defers
   every ack to the top of its next loop iteration, after a
@@ -59,6 +71,7 @@ from celery.schedules import crontab, solar
 
 __all__ = [
     "CrontabSlots",
+    "SolarSlots",
     "beat_nodename",
     "crontab_catches_up_across_days",
     "crontab_deadline_counts_the_due_slot",
@@ -67,8 +80,10 @@ __all__ = [
     "hub_wakes_on_call_soon",
     "immediate_acks",
     "pool_shutdown_tells_every_process",
+    "replaced_task_nesting",
     "slot_schedule",
     "slots_overrule_is_due",
+    "solar_measures_in_utc",
 ]
 
 UTC = timezone.utc
@@ -120,6 +135,38 @@ def crontab_catches_up_across_days() -> bool:
     at = datetime(2024, 5, 1, 1, 0, tzinfo=UTC)
     start, delta = _probe_delta(crontab(), at, at + timedelta(days=2), UTC)
     return bool(start + delta == at + timedelta(minutes=1))
+
+
+#: Paris (for the probes): a zone with a DST change, and a sky ephem knows.
+_PARIS = (48.85, 2.35)
+
+
+@functools.cache
+def solar_measures_in_utc() -> bool:
+    """Whether ``solar.remaining_estimate()`` measures in absolute time across a DST change.
+
+    True from Celery 5.7 on. Before, the next event is converted to the
+    schedule's timezone and subtracted from a ``now`` in that timezone as
+    wall-clock times: an hour off when one is in summer time and the other
+    not.
+
+    Returns:
+        The installed Celery's behaviour.
+
+    """
+    paris = ZoneInfo("Europe/Paris")
+    winter = datetime(2024, 1, 10, 12, 0, tzinfo=UTC)
+    summer = datetime(2024, 7, 1, 12, 0, tzinfo=UTC)
+    answers = []
+    for frame in (paris, UTC):
+        sunset = solar("sunset", *_PARIS)
+        # An instance attribute shadows the cached ``tz`` property: no app needed.
+        sunset.tz = paris
+        sunset.nowfun = lambda frame=frame: summer.astimezone(frame)
+        answers.append(sunset.remaining_estimate(winter))
+    # The same instants asked with ``now`` in Paris and in UTC: the same answer
+    # unless the subtraction is on the wall clock.
+    return bool(answers[0] == answers[1])
 
 
 @functools.cache
@@ -237,24 +284,72 @@ class CrontabSlots:
         return end.astimezone(UTC) - current.astimezone(UTC)
 
 
+class SolarSlots:
+    """A solar schedule's slots measured in absolute time, on any Celery 5.3+.
+
+    It offers what :func:`celery_nats_leader.beat.ticks.next_slot` uses of a
+    schedule (``nowfun``, ``now()``, ``remaining_estimate()``): the solar's
+    own ``remaining_estimate()``, asked with ``now`` in UTC, so that the
+    next event (which Celery converts to the app's timezone) and ``now`` are
+    in different zones and Python subtracts them as instants. The event is
+    ephem's either way; only the subtraction changes.
+
+    Args:
+        sun: The solar schedule.
+
+    """
+
+    def __init__(self, sun: Any) -> None:
+        self.sun = sun
+        self.nowfun: Callable[[], datetime] | None = None
+
+    def now(self) -> datetime:
+        """The current time as the solar sees it (or as ``nowfun`` says)."""
+        moment: datetime = (self.nowfun or self.sun.now)()
+        return moment
+
+    def remaining_estimate(self, last_run_at: datetime) -> timedelta:
+        """Time from ``now()`` to the first event after ``last_run_at``.
+
+        Args:
+            last_run_at: The previous slot.
+
+        Returns:
+            The remaining time (negative when the event is past).
+
+        """
+        sun = self.sun
+        now_utc: datetime = sun.maybe_make_aware(self.now()).astimezone(UTC)
+        saved = sun.nowfun
+        sun.nowfun = lambda: now_utc
+        try:
+            remaining: timedelta = sun.remaining_estimate(last_run_at)
+        finally:
+            sun.nowfun = saved
+        return remaining
+
+
 def slot_schedule(schedule: Any) -> Any:
     """The object whose ``remaining_estimate()`` gives ``schedule``'s slots.
 
     ``schedule`` itself, except a crontab on a Celery whose crontab computes
     in the caller's frame or skips the rest of an old hour (before 5.7):
-    then a :class:`CrontabSlots` around it.
+    then a :class:`CrontabSlots` around it; and a solar on a Celery whose
+    solar subtracts wall-clock times (before 5.7): then a :class:`SolarSlots`.
 
     Args:
         schedule: An entry's schedule.
 
     Returns:
-        ``schedule`` or its :class:`CrontabSlots`.
+        ``schedule``, its :class:`CrontabSlots` or its :class:`SolarSlots`.
 
     """
     if isinstance(schedule, crontab) and not (
         crontab_uses_its_timezone() and crontab_catches_up_across_days()
     ):
         return CrontabSlots(schedule)
+    if isinstance(schedule, solar) and not solar_measures_in_utc():
+        return SolarSlots(schedule)
     return schedule
 
 
@@ -290,6 +385,27 @@ def beat_nodename() -> str:
     if callable(nodename):
         return str(nodename())
     return f"celerybeat@{socket.gethostname()}"
+
+
+def replaced_task_nesting(request: Any) -> int:
+    """How many ``Task.replace()`` calls led to the task of ``request`` (0: none).
+
+    Read from the request's headers where Celery puts it (5.4 on), else from
+    the message's properties, where Celery 5.3 leaves it.
+
+    Args:
+        request: A task's ``request`` (a Celery ``Context``).
+
+    Returns:
+        The nesting, ``0`` for a task that replaces nothing.
+
+    """
+    nesting = getattr(request, "replaced_task_nesting", 0)
+    if not nesting:
+        properties = getattr(request, "properties", None)
+        if isinstance(properties, dict):
+            nesting = properties.get("replaced_task_nesting", 0)
+    return int(nesting or 0)
 
 
 def immediate_acks(consumer: Any) -> bool:

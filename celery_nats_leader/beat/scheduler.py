@@ -332,9 +332,18 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
 
         """
         super().setup_schedule()
-        self._serve_metrics()
         election = self.nats_leader_election
-        election.start()
+        try:
+            self._serve_metrics()
+            election.start()
+        except BaseException:
+            # The constructor raises, so no close() will come: release what
+            # Celery's set-up opened (beat's shelve; on Python 3.13 a
+            # dbm.sqlite3 connection, which the garbage collector would
+            # otherwise close from whatever thread it runs in, and fail).
+            with contextlib.suppress(Exception):
+                self.close()
+            raise
         if self.nats_leader_dispatcher is None:
             assert election.store is not None
             self.nats_leader_dispatcher = TickDispatcher(

@@ -171,6 +171,28 @@ class JetStreamSubscription:
                 await stop()
 
 
+class _StreamBoundJetStream:
+    """A JetStream context whose ``subscribe()`` names the KV bucket's stream.
+
+    nats-py 2.14's ``KeyValue.watch()`` subscribes without ``stream=``, so
+    nats-py first looks the stream up by subject (``$JS.API.STREAM.NAMES``),
+    a request the documented ``worker``/``beat``/``viewer`` users may not
+    send: their watch failed with a permissions violation. Newer nats-py
+    (2.16) pass the stream themselves; an explicit one is kept.
+    """
+
+    def __init__(self, js: JetStreamContext, stream: str) -> None:
+        self._js = js
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+    async def subscribe(self, subject: str, *args: Any, **kwargs: Any) -> Any:
+        kwargs["stream"] = kwargs.get("stream") or self._stream
+        return await self._js.subscribe(subject, *args, **kwargs)
+
+
 class JetStreamBucket:
     """A JetStream KV bucket, addressed through its stream ``KV_<name>``."""
 
@@ -180,6 +202,15 @@ class JetStreamBucket:
         self._kv = kv
         self._stream = f"KV_{name}"
         self._prefix = f"$KV.{name}."
+        # The same bucket, for watches: their consumer names the stream on any
+        # nats-py (see _StreamBoundJetStream).
+        self._watch_kv = KeyValue(
+            name=kv._name,
+            stream=kv._stream,
+            pre=kv._pre,
+            js=_StreamBoundJetStream(kv._js, kv._stream),  # type: ignore[arg-type]
+            direct=kv._direct,
+        )
 
     @property
     def _js(self) -> JetStreamContext:
@@ -293,7 +324,7 @@ class JetStreamBucket:
     async def watch_all(self, callback: WatchCallback) -> Callable[[], Awaitable[None]]:
         """Deliver every change of every key to ``callback``; returns the stop function."""
         watcher = await self._backend.call(
-            self._kv.watchall(), timeout=self._backend.js_timeout, bucket=self.name
+            self._watch_kv.watchall(), timeout=self._backend.js_timeout, bucket=self.name
         )
 
         async def pump() -> None:
@@ -329,7 +360,7 @@ class JetStreamBucket:
         """Return the latest value of every key that holds one."""
 
         async def collect() -> list[KVEntry]:
-            watcher = await self._kv.watchall()
+            watcher = await self._watch_kv.watchall()
             found: list[KVEntry] = []
             try:
                 async for update in watcher:

@@ -61,6 +61,7 @@ from celery.utils.log import get_task_logger
 
 from celery_nats_leader.backend import Bucket
 from celery_nats_leader.backoff import retry_transient
+from celery_nats_leader.celery_compat import replaced_task_nesting
 from celery_nats_leader.errors import (
     BucketConfigError,
     BucketNotFoundError,
@@ -198,7 +199,7 @@ class OnceService:
 
 def _guarded(task: Any) -> bool:
     request = task.request
-    if getattr(request, "replaced_task_nesting", 0):
+    if replaced_task_nesting(request):
         # Task.replace sent it under the id of the task it replaces, whose
         # run is recorded done: guarding it would drop it as "already ran".
         return False

@@ -101,8 +101,14 @@ def main() -> None:
         prefix = f"{side}:"
 
         class Side(base):  # type: ignore[misc, valid-type]
-            def enabled_models_qs(self) -> Any:
-                return super().enabled_models_qs().filter(name__startswith=prefix)
+            def all_as_schedule(self) -> Any:
+                # Each side reads only its own rows, on every django-celery-beat:
+                # before 2.8 the rows come from ``Model.objects.enabled()``
+                # (there is no ``enabled_models_qs()`` to narrow), and a side
+                # that ran the other's rows would change them under it (a
+                # one-off row sent by one side was disabled unsent by the other).
+                rows = super().all_as_schedule()
+                return {name: row for name, row in rows.items() if name.startswith(prefix)}
 
             def apply_async(self, entry: Any, producer: Any = None, **kw: Any) -> Any:
                 result = super().apply_async(entry, producer=producer, **kw)
@@ -186,7 +192,28 @@ def main() -> None:
         task.name: {"enabled": task.enabled, "total_run_count": task.total_run_count}
         for task in PeriodicTask.objects.all()
     }
-    print(json.dumps({**record, "rows": rows, "base": base.timestamp(), "started": started_wall}))
+    # Where the installed django-celery-beat anchors a row that never ran:
+    # at its ``date_changed`` (2.8+), or at "now" each time it reads the
+    # schedule (before: any change to any row re-anchors it).
+    probe = PeriodicTask.objects.create(
+        name="probe:anchor", task="contract.noop", interval=interval(60), enabled=False
+    )
+    PeriodicTask.objects.filter(pk=probe.pk).update(
+        date_changed=timezone.now() - timedelta(hours=1)
+    )
+    probe.refresh_from_db()
+    anchored = DatabaseScheduler.Entry(probe, app=schedulers["oracle"].app).last_run_at
+    print(
+        json.dumps(
+            {
+                **record,
+                "rows": rows,
+                "base": base.timestamp(),
+                "started": started_wall,
+                "anchors_at_date_changed": anchored == probe.date_changed,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ def test_database_rows_behave_as_with_database_scheduler(
         side: Counter(name for name, *_ in result[side]["sent"]) for side in ("oracle", "ours")
     }
     oracle, ours = counts["oracle"], counts["ours"]
-    # Once-only rows: exactly what django-celery-beat does.
+    # Once-only rows: exactly what the installed django-celery-beat does (the
+    # same on 2.5 to 2.9; each side reads only its own rows, see the program).
     for name, expected in (
         ("disabled", 0),
         ("start-later", 1),  # issue 10 #3: was sent once a second, ticks dated 1996...
@@ -69,6 +70,19 @@ def test_database_rows_behave_as_with_database_scheduler(
         ("clocked-just-before", 1),
         ("cron", 1),
     ):
+        old_anchoring = {"cron": (0, 1), "start-later": (1, 2)}
+        if name in old_anchoring and not result["anchors_at_date_changed"]:
+            # Before django-celery-beat 2.8 a row that never ran is anchored
+            # afresh each time the schedule is read again (a one-off row
+            # disabled, the rows changed at +5 s and +6 s): at "now", so the
+            # cron row's first slot (the minute 4-6 s into the run) is lost
+            # when a re-read comes between the slot and its send; 30 years
+            # back for a row with a start time, which was seen sent a second
+            # time (its interval is 30 s) right after such a re-read. The
+            # leader scheduler anchors a row once, in KV, and sends each slot
+            # once (deliberate differences, docs/support.md).
+            assert oracle[name] in old_anchoring[name] and ours[name] == 1, (name, result)
+            continue
         assert (oracle[name], ours[name]) == (expected, expected), (name, result)
     # Rows that keep running (every second): the same messages, up to the one in flight
     # at the end and the ticks Celery's interval drifted by: Celery counts the next run
@@ -83,25 +97,36 @@ def test_database_rows_behave_as_with_database_scheduler(
         drift = oracle_times[-1] - oracle_times[0] - (len(oracle_times) - 1)
         assert -1 <= ours[name] - oracle[name] <= 1 + math.ceil(max(drift, 0.0)), times[name]
         assert min(times[name]["ours"]) >= (5.0 if name == "enabled-later" else 0.0)
-    # Rows that stop (expired at +6 s, slowed down to every 100 s at +6 s of the
-    # run): both sent some; the leader scheduler only ticks whose slot came before.
+    # Rows that stop (slowed down to every 100 s at +6 s of the run, and, where
+    # django-celery-beat disables an expired row, expired at +6 s): both sent
+    # some; the leader scheduler only ticks whose slot came before.
     stops = {
-        # expires = the rows' creation + 6 s: a tick is sent only while not expired.
-        "expires": result["base"] + 6.0,
         # Changed 6 s into the run, noticed at the next tick (at most 1 s), plus slack.
         "slowed-down": result["started"] + 6.0 + 1.0 + 1.0,
     }
+    rows = result["rows"]
+    # django-celery-beat 2.8+ disables a row once its ``expires`` has passed;
+    # before, it keeps sending it (each message carries the expiry, so workers
+    # drop it): the leader scheduler does what the installed one does.
+    expiry_disables = rows["oracle:expires"]["enabled"] is False
+    assert rows["ours:expires"]["enabled"] is rows["oracle:expires"]["enabled"], result
+    if expiry_disables:
+        # expires = the rows' creation + 6 s: a tick is sent only while not expired.
+        stops["expires"] = result["base"] + 6.0
+        assert ours["expires"] <= 7
+    else:
+        expires = times["expires"]["oracle"]
+        drift = expires[-1] - expires[0] - (len(expires) - 1)
+        assert -1 <= ours["expires"] - oracle["expires"] <= 1 + math.ceil(max(drift, 0.0)), times
     for name, stop in stops.items():
         assert oracle[name] >= 1 and ours[name] >= 1, times[name]
         assert ours[name] >= oracle[name] - 1, times[name]
         slots = [tick for row, _, tick in result["ours"]["sent"] if row == name]
         assert all(parse_slot(tick).timestamp() < stop for tick in slots), (name, slots, stop)
-    assert ours["expires"] <= 7
     # The start time is honoured: the tick is found due at the start time, not before
     # (its identity is the time it was found due: the 30-year-old anchor has no slot).
     [start_later] = [tick for name, _, tick in result["ours"]["sent"] if name == "start-later"]
     assert parse_slot(start_later).timestamp() - result["base"] >= 2.0
-    # Expired and spent one-off rows are disabled in the database, as django-celery-beat does.
-    rows = result["rows"]
-    for name in ("expires", "one-off", "clocked-now"):
+    # Spent one-off rows are disabled in the database, as django-celery-beat does.
+    for name in ("one-off", "clocked-now"):
         assert rows[f"ours:{name}"]["enabled"] is rows[f"oracle:{name}"]["enabled"] is False, name

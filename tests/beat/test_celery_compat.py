@@ -15,14 +15,15 @@ import time
 import warnings
 from datetime import datetime, timedelta, timezone
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from celery import Celery
-from celery.schedules import crontab
+from celery.schedules import crontab, solar
 
 from celery_nats_leader import celery_compat
 from celery_nats_leader.beat.ticks import next_slot
-from celery_nats_leader.celery_compat import CrontabSlots, slot_schedule
+from celery_nats_leader.celery_compat import CrontabSlots, SolarSlots, slot_schedule
 
 UTC = timezone.utc
 
@@ -96,6 +97,49 @@ def test_the_probes_tell_what_the_installed_crontab_does() -> None:
         celery_compat.crontab_uses_its_timezone() and celery_compat.crontab_catches_up_across_days()
     )
     assert isinstance(slot_schedule(daily), CrontabSlots) is not native
+
+
+#: The sunsets in Paris that ephem computes (Celery 5.7's ``solar("sunset")``),
+#: to the second: ephem's answer moves by some milliseconds with the start time.
+SUNSET_4_MARCH = datetime(2024, 3, 4, 17, 39, 22, tzinfo=UTC)
+SUNSET_25_OCTOBER = datetime(2024, 10, 25, 16, 41, 29, tzinfo=UTC)
+
+
+def paris_sunset() -> Any:
+    return solar("sunset", 48.85, 2.35, app=paris_app())
+
+
+@pytest.mark.parametrize(
+    ("after", "expected"),
+    [
+        # Asked in October (summer time) from March (winter time): wall-clock
+        # arithmetic in Paris is an hour off here.
+        pytest.param(datetime(2024, 3, 4, tzinfo=UTC), SUNSET_4_MARCH, id="across-the-change"),
+        pytest.param(datetime(2024, 10, 25, 12, tzinfo=UTC), SUNSET_25_OCTOBER, id="same-side"),
+    ],
+)
+def test_solar_slots_are_ephems_events_whatever_the_branch(
+    after: datetime, expected: datetime
+) -> None:
+    now = datetime(2024, 10, 26, 12, tzinfo=UTC).astimezone(ZoneInfo("Europe/Paris"))
+    for sunset in (SolarSlots(paris_sunset()), slot_schedule(paris_sunset())):
+        slot = next_slot(sunset, after, now)
+        assert slot is not None
+        assert abs((slot - expected).total_seconds()) < 1, slot
+
+
+def test_the_solar_probe_tells_what_the_installed_solar_does() -> None:
+    # A raw solar of a Paris app, asked in October (its clock in Paris) for
+    # the sunset after a March time: right only where the probe says so.
+    now = datetime(2024, 10, 26, 12, tzinfo=UTC).astimezone(ZoneInfo("Europe/Paris"))
+    raw = next_slot(paris_sunset(), datetime(2024, 3, 4, tzinfo=UTC), now)
+    assert raw is not None
+    right = abs((raw - SUNSET_4_MARCH).total_seconds()) < 1
+    assert right is celery_compat.solar_measures_in_utc()
+    # Off by the change of offset, not by anything else.
+    assert right or abs((raw - SUNSET_4_MARCH + timedelta(hours=1)).total_seconds()) < 1
+    # The adapter only where needed.
+    assert isinstance(slot_schedule(paris_sunset()), SolarSlots) is not right
 
 
 def test_beat_nodename_is_celerys_where_it_has_one() -> None:
@@ -281,3 +325,13 @@ def test_a_warm_shutdown_tells_the_process_running_a_task_to_exit(workaround: bo
         threaded.terminate()
         for fd in (started_r, started_w, release_r, release_w):
             os.close(fd)
+def test_replaced_task_nesting_from_the_headers_or_celery_53s_properties() -> None:
+    from celery.app.task import Context
+
+    # Celery 5.4+: a header, so an attribute of the request.
+    assert celery_compat.replaced_task_nesting(Context({"replaced_task_nesting": 2})) == 2
+    # Celery 5.3: a message property (its send_task passes the option on).
+    by_property = Context({"properties": {"replaced_task_nesting": 1}})
+    assert celery_compat.replaced_task_nesting(by_property) == 1
+    assert celery_compat.replaced_task_nesting(Context({"properties": {}})) == 0
+    assert celery_compat.replaced_task_nesting(Context({})) == 0
