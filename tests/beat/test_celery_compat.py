@@ -325,6 +325,8 @@ def test_a_warm_shutdown_tells_the_process_running_a_task_to_exit(workaround: bo
         threaded.terminate()
         for fd in (started_r, started_w, release_r, release_w):
             os.close(fd)
+
+
 def test_replaced_task_nesting_from_the_headers_or_celery_53s_properties() -> None:
     from celery.app.task import Context
 
