@@ -61,7 +61,7 @@ from celery_nats_leader.errors import (
     ElectionError,
     PermissionDeniedError,
 )
-from celery_nats_leader.probes import ProbeResult, ProbeServer, liveness, readiness
+from celery_nats_leader.observe.probes import ProbeResult, ProbeServer, liveness, readiness
 from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     # Celery is untyped: type-check the mixin as a Scheduler (``Any``).
     from celery.beat import Scheduler as _SchedulerBase
 
-    from celery_nats_leader.prometheus import PrometheusObserver
+    from celery_nats_leader.observe.prometheus import PrometheusObserver
 else:
     _SchedulerBase = object
 
@@ -174,7 +174,7 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         self.nats_leader_probes: ProbeServer | None = None
         if beat_metrics_port(settings) is not None:
             # Imported only when asked for: prometheus-client is an optional extra.
-            from celery_nats_leader.prometheus import PrometheusObserver
+            from celery_nats_leader.observe.prometheus import PrometheusObserver
 
             observer = PrometheusObserver(
                 bucket=settings.bucket, namespace=settings.metrics_namespace

@@ -125,6 +125,7 @@ MOVED = [
     "celery_nats_leader.prometheus:PrometheusObserver"
     " -> celery_nats_leader.observe.prometheus:PrometheusObserver",
     "celery_nats_leader.ops.oneshot:run_once -> celery_nats_leader.ops.oneshot:run_sync",
+    "celery_nats_leader.cli:nats_leader -> celery_nats_leader.ops.cli:nats_leader",
     "celery_nats_leader.election.base:DemoteReason"
     " -> celery_nats_leader.election.vocabulary:DemoteReason",
     "celery_nats_leader.events:event_subject"
