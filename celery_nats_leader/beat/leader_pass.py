@@ -34,8 +34,8 @@ from celery_nats_leader.celery_compat import (
     slot_schedule,
     slots_overrule_is_due,
 )
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.elector import RoleHandle
-from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.token import FencingToken
 
 if TYPE_CHECKING:

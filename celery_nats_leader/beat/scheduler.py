@@ -46,6 +46,7 @@ from celery_nats_leader.beat.state import EntryState
 from celery_nats_leader.beat.ticks import TickPlanner
 from celery_nats_leader.celery_compat import beat_nodename
 from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import (
     BucketConfigError,
@@ -55,7 +56,6 @@ from celery_nats_leader.errors import (
     PermissionDeniedError,
 )
 from celery_nats_leader.observe.probes import ProbeResult, ProbeServer, liveness, readiness
-from celery_nats_leader.settings import LeaderSettings
 
 if TYPE_CHECKING:
     from celery_nats_leader.observe.prometheus import PrometheusObserver
@@ -81,7 +81,7 @@ class LeaderSchedulerMixin(LeaderPass):
     the run count) comes from KV, and the wrapped scheduler's own copy
     (``last_run_at``, ``total_run_count``) is updated by the leader for
     display only. Configuration comes from the app's ``nats_leader_*``
-    settings (see :class:`~celery_nats_leader.settings.LeaderSettings`).
+    settings (see :class:`~celery_nats_leader.config.settings.LeaderSettings`).
 
     As Celery's scheduler, it asks each entry's ``is_due()`` whether it is
     due and when to ask again. The mixin adapts Celery's hooks; the leader's

@@ -65,8 +65,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_nats_leader import constants as c
 from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
+from celery_nats_leader.config import constants as c
 from celery_nats_leader.election.allcall_protocol import (
     ALLCALL_VERB,
     REMEMBERED_RELEASES,

@@ -29,9 +29,9 @@ import uuid
 from collections import deque
 from typing import Any
 
-from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, Bucket, KVEntry, Operation
 from celery_nats_leader.backoff import Backoff
+from celery_nats_leader.config import constants as c
 from celery_nats_leader.election.base import BaseElection
 from celery_nats_leader.election.follower_view import FollowerView
 from celery_nats_leader.election.roster import Roster

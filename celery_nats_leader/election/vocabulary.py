@@ -14,7 +14,7 @@ import enum
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
-from celery_nats_leader import constants as c
+from celery_nats_leader.config import constants as c
 
 if TYPE_CHECKING:
     from celery_nats_leader.config import ElectionConfig

@@ -43,7 +43,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_nats_leader.constants import DEFAULT_METRICS_NAMESPACE
+from celery_nats_leader.config.constants import DEFAULT_METRICS_NAMESPACE
 from celery_nats_leader.errors import ConfigError
 
 try:

@@ -34,9 +34,10 @@ from typing import Any
 
 import click
 
-from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend
+from celery_nats_leader.config import constants as c
 from celery_nats_leader.config import validate_bucket, validate_key
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.errors import (
     BackendTimeoutError,
     ConfigError,
@@ -74,7 +75,6 @@ from celery_nats_leader.ops.resign import (
     request_resignation,
 )
 from celery_nats_leader.ops.status import fetch_report
-from celery_nats_leader.settings import LeaderSettings
 
 __all__ = ["nats_leader"]
 

@@ -27,8 +27,8 @@ from typing import Any, NoReturn
 from celery import bootsteps
 
 from celery_nats_leader.celery_compat import hub_wakes_on_call_soon, immediate_acks
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.errors import ConfigError, ElectionError
-from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.worker.service import LeaderService
 from celery_nats_leader.worker.tasks import install_routing
 

@@ -21,7 +21,7 @@ import pytest
 from nats.aio.client import Client
 
 from celery_nats_leader import DemoteReason, ElectionConfig, Elector
-from celery_nats_leader.constants import RESIGN_VERB
+from celery_nats_leader.config.constants import RESIGN_VERB
 from celery_nats_leader.election.base import control_subject
 from celery_nats_leader.errors import NotLeaderError
 from celery_nats_leader.nats.jetstream import JetStreamBackend
