@@ -55,7 +55,7 @@ from celery_nats_leader.errors import (
     RecordFormatError,
     RevisionMismatchError,
 )
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.token import FencingToken
 
 __all__ = ["Dispatched", "Lease", "Outcome", "StateStore", "Tick", "TickDispatcher"]
 

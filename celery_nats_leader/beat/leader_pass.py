@@ -36,7 +36,7 @@ from celery_nats_leader.celery_compat import (
 )
 from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.elector import RoleHandle
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.token import FencingToken
 
 if TYPE_CHECKING:
     # Celery is untyped: type-check the pass as a Scheduler (``Any``).

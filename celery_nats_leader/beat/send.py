@@ -28,7 +28,7 @@ from celery_nats_leader.beat.fence import (
 )
 from celery_nats_leader.beat.state import EntryState
 from celery_nats_leader.beat.ticks import slot_text, tick_task_id
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.token import FencingToken
 
 __all__ = ["is_permanent_send_error", "opts_out", "send_tick", "tick_options"]
 

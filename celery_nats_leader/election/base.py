@@ -51,8 +51,8 @@ from celery_nats_leader.election.vocabulary import (
     control_subject,
 )
 from celery_nats_leader.errors import ConfigError, ElectionError, ElectionStoppedError
-from celery_nats_leader.record import LeaderRecord
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import LeaderRecord
+from celery_nats_leader.term.token import FencingToken
 
 if TYPE_CHECKING:
     from celery_nats_leader.election.services import (

@@ -49,9 +49,9 @@ from celery_nats_leader.errors import (
     RecordFormatError,
     RevisionMismatchError,
 )
-from celery_nats_leader.record import LeaderRecord, decode_record, encode_record
 from celery_nats_leader.term import read_term
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import LeaderRecord, decode_record, encode_record
+from celery_nats_leader.term.token import FencingToken
 
 logger = logging.getLogger(__name__)
 

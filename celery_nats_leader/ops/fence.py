@@ -70,7 +70,7 @@ from celery_nats_leader.errors import (
     RevisionMismatchError,
 )
 from celery_nats_leader.ops.oneshot import with_backend
-from celery_nats_leader.record import LeaderRecord, decode_record, encode_fence
+from celery_nats_leader.term.record import LeaderRecord, decode_record, encode_fence
 
 logger = logging.getLogger(__name__)
 

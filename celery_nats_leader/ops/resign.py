@@ -24,8 +24,8 @@ from celery_nats_leader.election.vocabulary import control_subject
 from celery_nats_leader.errors import BackendTimeoutError, ElectionError, NotLeaderError
 from celery_nats_leader.ops.oneshot import with_backend
 from celery_nats_leader.ops.status import read_report
-from celery_nats_leader.record import LeaderRecord
 from celery_nats_leader.term import read_term, term_of
+from celery_nats_leader.term.record import LeaderRecord
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.election.vocabulary import control_subject
 from celery_nats_leader.errors import ElectionError, RecordFormatError
 from celery_nats_leader.ops.oneshot import operator_name, with_backend
-from celery_nats_leader.record import decode_record
+from celery_nats_leader.term.record import decode_record
 
 #: Version of the ``election_status --json`` document; bumped only on an
 #: incompatible change (fields are only ever added within one version).

@@ -53,7 +53,7 @@ from celery_nats_leader.nats.memory import (
     _MemoryBucketState,
     _Stored,
 )
-from celery_nats_leader.record import encode_record
+from celery_nats_leader.term.record import encode_record
 
 UTC = timezone.utc
 T0 = datetime(2024, 5, 1, 11, 59, 30, 250000, tzinfo=UTC)

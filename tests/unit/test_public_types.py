@@ -131,6 +131,9 @@ MOVED = [
     "celery_nats_leader.constants:DEFAULT_TTL_SECONDS"
     " -> celery_nats_leader.config.constants:DEFAULT_TTL_SECONDS",
     "celery_nats_leader.config:ElectionConfig -> celery_nats_leader.config.election:ElectionConfig",
+    "celery_nats_leader.token:FencingToken -> celery_nats_leader.term.token:FencingToken",
+    "celery_nats_leader.record:LeaderRecord -> celery_nats_leader.term.record:LeaderRecord",
+    "celery_nats_leader.term:TermReader -> celery_nats_leader.term.current:TermReader",
     "celery_nats_leader.election.base:DemoteReason"
     " -> celery_nats_leader.election.vocabulary:DemoteReason",
     "celery_nats_leader.events:event_subject"

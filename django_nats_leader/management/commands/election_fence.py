@@ -43,7 +43,7 @@ from celery_nats_leader.ops.fence import (
     wait_for_successor,
 )
 from celery_nats_leader.ops.oneshot import operator_name
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.token import FencingToken
 from django_nats_leader.management.common import (
     EXIT_ERROR,
     checked_role,
