@@ -55,7 +55,7 @@ import nats
 from nats.js.api import KeyValueConfig
 
 from celery_nats_leader import Election, ElectionConfig
-from celery_nats_leader.constants import DEFAULT_TTL_SECONDS
+from celery_nats_leader.config.constants import DEFAULT_TTL_SECONDS
 from celery_nats_leader.nats import ConnectOptions
 from celery_nats_leader.testing import NatsCluster, NatsServer, binary_version, server_binary
 

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from celery_nats_leader.beat.dispatcher import Tick, TickDispatcher
 from celery_nats_leader.beat.state import EntryState, ScheduleStateStore
 from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.elector import Elector
-from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.testing import NatsServer
 from celery_nats_leader.worker.once_tasks import OnceService
 

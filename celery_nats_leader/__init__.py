@@ -38,8 +38,8 @@ from celery_nats_leader.errors import (
 )
 from celery_nats_leader.nats.connection import ConnectOptions
 from celery_nats_leader.ops.status import RoleStatus
-from celery_nats_leader.record import LeaderRecord
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import LeaderRecord
+from celery_nats_leader.term.token import FencingToken
 
 if TYPE_CHECKING:
     # What ``__getattr__`` returns, for type checkers and IDEs (never run).

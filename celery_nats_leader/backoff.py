@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from celery_nats_leader.constants import (
+from celery_nats_leader.config.constants import (
     BACKOFF_INITIAL_SECONDS,
     BACKOFF_JITTER,
     BACKOFF_MAX_SECONDS,

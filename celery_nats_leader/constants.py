@@ -1,149 +1,93 @@
-"""Every default, limit and naming convention of the package, in one place.
-
-Other modules import from here instead of repeating literals, so that a
-change of default (or of a subject layout that other processes depend on)
-happens in exactly one spot.
-"""
+"""Moved to :mod:`celery_nats_leader.config.constants`; this import path keeps working."""
 
 from __future__ import annotations
 
-import re
+from celery_nats_leader.config.constants import (
+    ALLCALL_DEFAULT_HEARTBEAT_SECONDS,
+    ALLCALL_DEFAULT_MAX_CLOCK_SKEW_SECONDS,
+    ALLCALL_MAX_CLOCK_SKEW_FRACTION_OF_TTL,
+    ANNOUNCED_SUCCESSORS,
+    BACKOFF_INITIAL_SECONDS,
+    BACKOFF_JITTER,
+    BACKOFF_MAX_SECONDS,
+    BACKOFF_MULTIPLIER,
+    BEAT_CATCH_UP_EXTRA_SECONDS,
+    BUCKET_PATTERN,
+    CIRCUIT_BREAKER_COOLDOWN_TTLS,
+    CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS,
+    CIRCUIT_BREAKER_THRESHOLD,
+    CONTROL_SUBJECT_PREFIX,
+    DEFAULT_BUCKET,
+    DEFAULT_CAMPAIGN_JITTER_SECONDS,
+    DEFAULT_DEMOTE_TIMEOUT_SECONDS,
+    DEFAULT_HEALTH_CHECK_FAILURES,
+    DEFAULT_METRICS_NAMESPACE,
+    DEFAULT_PRIORITY_STEP_SECONDS,
+    DEFAULT_ROLE,
+    DEFAULT_ROSTER_WINDOW_SECONDS,
+    DEFAULT_SERVERS,
+    DEFAULT_TTL_SECONDS,
+    EVENT_BUFFER,
+    EVENTS_STREAM_PREFIX,
+    EVENTS_SUBJECT_PREFIX,
+    FENCE_ID,
+    FOLLOWER_EXPIRY_MARGIN_SECONDS,
+    HEARTBEATS_PER_TTL,
+    KEY_PATTERN,
+    LEASE_MARGIN_FRACTION,
+    MAX_PRIORITY_LAG_SECONDS,
+    MAX_TTL_SECONDS,
+    MIN_DISCONNECT_GRACE_HEARTBEATS,
+    MIN_HEARTBEATS_PER_TTL,
+    MIN_TTL_SECONDS,
+    RECORD_VERSION,
+    RESIGN_VERB,
+    ROSTER_EXPIRY_HEARTBEATS,
+    ROSTER_VERB,
+    SUCCESSOR_STEP_SECONDS,
+)
 
-#: Name of the KV bucket that holds one key per role.
-DEFAULT_BUCKET = "leaders"
-
-#: Role elected when none is given.
-DEFAULT_ROLE = "default"
-
-#: Election TTL in seconds: the bucket's ``max_age`` and the longest a crashed
-#: leader can keep a role.
-DEFAULT_TTL_SECONDS = 10.0
-
-#: The heartbeat is ``ttl / HEARTBEATS_PER_TTL`` unless configured.
-HEARTBEATS_PER_TTL = 4
-
-#: The shortest disconnect grace, in heartbeats (also its default): a leader
-#: rides out a reconnect that costs it one renewal.
-MIN_DISCONNECT_GRACE_HEARTBEATS = 2
-
-#: ``ttl`` must be at least this many heartbeats, so that one or two lost
-#: renewals do not cost the role.
-MIN_HEARTBEATS_PER_TTL = 3
-
-#: Shortest TTL accepted, in seconds. Below this, scheduling noise of a busy
-#: Python process is a large part of the lease.
-MIN_TTL_SECONDS = 0.5
-
-#: Longest TTL accepted, in seconds (a day): longer terms make a crash
-#: unrecoverable for too long to be a sane choice.
-MAX_TTL_SECONDS = 86_400.0
-
-#: Seconds added to ``2 x ttl`` to make the default beat catch-up window:
-#: room for a successor's campaign, its loading of the schedule's state, a
-#: busy host and clock skew between replicas (see ``LeaderSettings.catch_up_window``).
-BEAT_CATCH_UP_EXTRA_SECONDS = 5.0
-
-#: Lease safety margin as a fraction of the TTL when not configured. The
-#: leader steps down at ``last_confirmed_send + ttl - margin``; the margin
-#: absorbs event-loop lag and server expiry granularity.
-LEASE_MARGIN_FRACTION = 0.1
-
-#: Largest random delay, in seconds, before a follower campaigns after the
-#: key was released or expired. Spreads a herd of candidates over a few
-#: milliseconds without making handoffs slow.
-DEFAULT_CAMPAIGN_JITTER_SECONDS = 0.005
-
-#: Extra campaign delay, in seconds, per priority point below the highest
-#: priority a candidate knows of. Preferred candidates campaign first.
-DEFAULT_PRIORITY_STEP_SECONDS = 0.01
-
-#: Longest priority-based campaign delay, in seconds, whatever the gap.
-MAX_PRIORITY_LAG_SECONDS = 0.5
-
-#: Delay, in seconds, per candidate of the same priority ahead in line (by
-#: id) before a follower campaigns for a free role. The first in line goes at
-#: once; the others follow a step apart (plus the jitter), in case it is gone.
-SUCCESSOR_STEP_SECONDS = 0.002
-
-#: A roster entry not refreshed for this many heartbeats is dropped: the
-#: first followers in line announce themselves every heartbeat, crashed
-#: candidates stop doing so.
-ROSTER_EXPIRY_HEARTBEATS = 3
-
-#: How many followers at the front of the line announce themselves every
-#: heartbeat (the others stay silent: N announcing to N is N² messages).
-ANNOUNCED_SUCCESSORS = 3
-
-#: Seconds beyond the TTL after which a follower deletes a record it saw
-#: unchanged (conditionally at that revision) instead of waiting for the
-#: server's ``max_age`` timer, which fires up to ~250 ms late on 2.10+.
-#: The leader already stepped down ``lease_margin`` before the TTL; this only
-#: keeps the follower no earlier than the server could be (docs/design.md).
-FOLLOWER_EXPIRY_MARGIN_SECONDS = 0.01
-
-#: Consecutive health-check failures that make a leader resign.
-DEFAULT_HEALTH_CHECK_FAILURES = 3
-
-#: Seconds a stop or a release waits for the demote callbacks (``demote_timeout``).
-#: Below the elector's 10-s stop bound, so that a stop still ends in order (callbacks
-#: that outlived it are not waited for again when the election is torn down).
-DEFAULT_DEMOTE_TIMEOUT_SECONDS = 5.0
-
-#: Exponential backoff for transient errors.
-BACKOFF_INITIAL_SECONDS = 0.05
-BACKOFF_MAX_SECONDS = 5.0
-BACKOFF_MULTIPLIER = 2.0
-BACKOFF_JITTER = 0.1
-
-#: Consecutive transient failures that open the circuit breaker, and how long
-#: an open circuit waits (as a multiple of the TTL, capped; never less than
-#: BACKOFF_MAX_SECONDS) before trying again.
-CIRCUIT_BREAKER_THRESHOLD = 10
-CIRCUIT_BREAKER_COOLDOWN_TTLS = 1.0
-CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS = 30.0
-
-#: Subject prefix for the request/reply side channel (roster and resign
-#: requests). Layout: ``{prefix}.{bucket}.{role}.{verb}``.
-CONTROL_SUBJECT_PREFIX = "_NATS_LEADER"
-ROSTER_VERB = "roster"
-
-#: Transition events: ``{prefix}.{bucket}.{role}`` (the role last: it may
-#: contain dots), kept by the optional stream ``{stream prefix}{bucket}``.
-EVENTS_SUBJECT_PREFIX = "_NATS_LEADER_EVENTS"
-EVENTS_STREAM_PREFIX = "NATS_LEADER_EVENTS_"
-
-#: Events an election keeps while it cannot publish them (disconnected).
-EVENT_BUFFER = 64
-RESIGN_VERB = "resign"
-
-#: How long a roster request collects answers from live candidates, seconds.
-DEFAULT_ROSTER_WINDOW_SECONDS = 0.25
-
-#: NATS KV key names: what nats-py and the server accept.
-KEY_PATTERN = re.compile(r"^[-/_=.a-zA-Z0-9]+$")
-
-#: NATS KV bucket names.
-BUCKET_PATTERN = re.compile(r"^[a-zA-Z0-9_-]+$")
-
-#: Default NATS server URL.
-DEFAULT_SERVERS = ("nats://127.0.0.1:4222",)
-
-#: The ``id`` of a fence marker (an operator ended a term; nobody leads).
-FENCE_ID = "fenced"
-
-#: Version of the JSON record layout, written into every record.
-RECORD_VERSION = 1
-
-#: ALLCALL: seconds between allcalls when ``heartbeat_interval`` is not
-#: configured (the seed's heartBeat), capped at ``ttl / 4`` for short leases.
-ALLCALL_DEFAULT_HEARTBEAT_SECONDS = 1.0
-
-#: ALLCALL: the seed's maxClockSkew, the largest difference, in seconds,
-#: between the wall clocks of any two hosts that ALLCALL tolerates.
-ALLCALL_DEFAULT_MAX_CLOCK_SKEW_SECONDS = 1.0
-
-#: ALLCALL: ``max_clock_skew`` may be at most this fraction of the lease.
-ALLCALL_MAX_CLOCK_SKEW_FRACTION_OF_TTL = 0.5
-
-#: Prefix of every Prometheus metric name (``nats_leader_metrics_namespace`` changes it).
-DEFAULT_METRICS_NAMESPACE = "nats_leader"
+__all__ = [
+    "ALLCALL_DEFAULT_HEARTBEAT_SECONDS",
+    "ALLCALL_DEFAULT_MAX_CLOCK_SKEW_SECONDS",
+    "ALLCALL_MAX_CLOCK_SKEW_FRACTION_OF_TTL",
+    "ANNOUNCED_SUCCESSORS",
+    "BACKOFF_INITIAL_SECONDS",
+    "BACKOFF_JITTER",
+    "BACKOFF_MAX_SECONDS",
+    "BACKOFF_MULTIPLIER",
+    "BEAT_CATCH_UP_EXTRA_SECONDS",
+    "BUCKET_PATTERN",
+    "CIRCUIT_BREAKER_COOLDOWN_TTLS",
+    "CIRCUIT_BREAKER_MAX_COOLDOWN_SECONDS",
+    "CIRCUIT_BREAKER_THRESHOLD",
+    "CONTROL_SUBJECT_PREFIX",
+    "DEFAULT_BUCKET",
+    "DEFAULT_CAMPAIGN_JITTER_SECONDS",
+    "DEFAULT_DEMOTE_TIMEOUT_SECONDS",
+    "DEFAULT_HEALTH_CHECK_FAILURES",
+    "DEFAULT_METRICS_NAMESPACE",
+    "DEFAULT_PRIORITY_STEP_SECONDS",
+    "DEFAULT_ROLE",
+    "DEFAULT_ROSTER_WINDOW_SECONDS",
+    "DEFAULT_SERVERS",
+    "DEFAULT_TTL_SECONDS",
+    "EVENTS_STREAM_PREFIX",
+    "EVENTS_SUBJECT_PREFIX",
+    "EVENT_BUFFER",
+    "FENCE_ID",
+    "FOLLOWER_EXPIRY_MARGIN_SECONDS",
+    "HEARTBEATS_PER_TTL",
+    "KEY_PATTERN",
+    "LEASE_MARGIN_FRACTION",
+    "MAX_PRIORITY_LAG_SECONDS",
+    "MAX_TTL_SECONDS",
+    "MIN_DISCONNECT_GRACE_HEARTBEATS",
+    "MIN_HEARTBEATS_PER_TTL",
+    "MIN_TTL_SECONDS",
+    "RECORD_VERSION",
+    "RESIGN_VERB",
+    "ROSTER_EXPIRY_HEARTBEATS",
+    "ROSTER_VERB",
+    "SUCCESSOR_STEP_SECONDS",
+]

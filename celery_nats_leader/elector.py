@@ -44,8 +44,8 @@ from celery_nats_leader.errors import (
 from celery_nats_leader.loop_thread import EventLoopThread
 from celery_nats_leader.nats import ConnectionListener, ConnectOptions, open_backend
 from celery_nats_leader.ops.status import RoleStatus, read_report
-from celery_nats_leader.record import LeaderRecord
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import LeaderRecord
+from celery_nats_leader.term.token import FencingToken
 
 logger = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from celery_nats_leader.backend import Backend, Bucket
+    from celery_nats_leader.config.settings import LeaderSettings
     from celery_nats_leader.nats.connection import ConnectOptions
-    from celery_nats_leader.settings import LeaderSettings
 
 __all__ = ["ProcessClient", "connection_key"]
 

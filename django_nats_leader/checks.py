@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 from django.core import checks
 
 from celery_nats_leader.config import validate_key
-from celery_nats_leader.constants import DEFAULT_TTL_SECONDS, MIN_HEARTBEATS_PER_TTL
+from celery_nats_leader.config.constants import DEFAULT_TTL_SECONDS, MIN_HEARTBEATS_PER_TTL
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.errors import ConfigError
-from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ Every value is read from :data:`django.conf.settings` at the moment it is
 needed, never copied into a module global at import time, so
 ``override_settings`` and settings changed by tests behave as expected.
 
-The keys are the fields of :class:`~celery_nats_leader.settings.LeaderSettings`,
+The keys are the fields of :class:`~celery_nats_leader.config.settings.LeaderSettings`,
 in any case (``"TTL"`` or ``"ttl"``)::
 
     NATS_LEADER = {
@@ -30,8 +30,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from celery_nats_leader.config.settings import CELERY_PREFIX, LeaderSettings
 from celery_nats_leader.errors import ConfigError
-from celery_nats_leader.settings import CELERY_PREFIX, LeaderSettings
 
 #: Name of the Django setting holding the dict.
 SETTING_NAME = "NATS_LEADER"

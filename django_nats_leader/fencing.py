@@ -2,7 +2,7 @@
 
 A leader that was paused (GC, SIGSTOP, a frozen VM) or cut off may still
 believe it leads when it wakes up, while a successor already runs a newer
-term. Every term has a :class:`~celery_nats_leader.token.FencingToken` whose
+term. Every term has a :class:`~celery_nats_leader.term.token.FencingToken` whose
 ``epoch`` strictly grows from term to term. The database remembers, per role,
 the highest epoch it has accepted a write from (:class:`FenceEpoch`), and
 :func:`fenced` refuses a write that carries an older one::
@@ -34,7 +34,7 @@ promise (Kleppmann, "How to do distributed locking").
 
 Epochs of the two strategies are not comparable: a KV epoch is a stream
 revision, an ALLCALL epoch a wall-clock millisecond count (~1.7e12,
-:func:`~celery_nats_leader.token.epoch_strategy` tells them apart). The fence
+:func:`~celery_nats_leader.term.token.epoch_strategy` tells them apart). The fence
 never orders one against the other: a token of the other strategy than the
 one the role's fence was raised by is refused with
 :class:`StrategyChangedError`, in both directions. After moving a role from
@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 from django.db import router, transaction
 
 from celery_nats_leader.errors import LeadershipLostError
-from celery_nats_leader.token import FencingToken, epoch_strategy
+from celery_nats_leader.term.token import FencingToken, epoch_strategy
 
 if TYPE_CHECKING:
     from django_nats_leader.models import FenceEpoch

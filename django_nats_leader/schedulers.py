@@ -29,7 +29,7 @@ from django_celery_beat.schedulers import DatabaseScheduler
 
 from celery_nats_leader.beat import LeaderSchedulerMixin
 from celery_nats_leader.beat.state import EntryState
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.config.settings import LeaderSettings
 
 __all__ = ["LeaderDatabaseScheduler"]
 

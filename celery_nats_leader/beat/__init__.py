@@ -21,8 +21,17 @@ every tick under the once-guard unless the entry or the settings opt out.
 
 The package, one part per module:
 
-* :mod:`~celery_nats_leader.beat.scheduler`: the Celery mixin (hooks only)
-  and :class:`LeaderScheduler`;
+* :mod:`~celery_nats_leader.beat.scheduler`: the Celery mixin (Celery's
+  hooks and the subclasses' hooks, wiring the parts) and
+  :class:`LeaderScheduler`;
+* :mod:`~celery_nats_leader.beat.leader_pass`: the leader's pass (which due
+  tick goes first, its dispatch, what came of it);
+* :mod:`~celery_nats_leader.beat.send`: a committed tick's message (task id,
+  headers) and Celery's ``apply_async``;
+* :mod:`~celery_nats_leader.beat.introspection`: what is read from Celery's
+  schedules;
+* :mod:`~celery_nats_leader.beat.signals`: SIGTERM and SIGINT held back
+  while a tick is dispatched;
 * :mod:`~celery_nats_leader.beat.dispatcher`: validate, commit, send, record
   or revert, and re-send a pending tick (no Celery);
 * :mod:`~celery_nats_leader.beat.election`: the beat role (no Celery);

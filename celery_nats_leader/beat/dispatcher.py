@@ -22,7 +22,7 @@ it again under its own term (same slot, same run number, so the same
 deterministic task id) and sends it. Delivery is at least once per tick: a
 tick goes out twice only when a scheduler died after its send and before
 its record, and the worker-side once-guard
-(:class:`~celery_nats_leader.worker.once.OnceTask`) runs it once.
+(:class:`~celery_nats_leader.worker.once_tasks.OnceTask`) runs it once.
 
 This module imports neither Celery nor Django: the send is a callable, the
 lease anything with ``is_leader`` and ``validate_token()`` (a
@@ -55,7 +55,7 @@ from celery_nats_leader.errors import (
     RecordFormatError,
     RevisionMismatchError,
 )
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.token import FencingToken
 
 __all__ = ["Dispatched", "Lease", "Outcome", "StateStore", "Tick", "TickDispatcher"]
 

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from celery_nats_leader.backoff import retry_transient
 from celery_nats_leader.beat.state import ScheduleStateStore
 from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.election import DemoteReason, ElectionState
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import ElectionError
-from celery_nats_leader.record import LeaderRecord
-from celery_nats_leader.settings import LeaderSettings
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import LeaderRecord
+from celery_nats_leader.term.token import FencingToken
 
 __all__ = ["SCHEDULER_META_KEY", "BeatElection", "describe_leader", "is_scheduler"]
 

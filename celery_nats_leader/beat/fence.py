@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Task
 
+from celery_nats_leader.config.settings import LeaderSettings, settings_of_app
 from celery_nats_leader.errors import ElectionError, RecordFormatError
 from celery_nats_leader.process_client import ProcessClient
-from celery_nats_leader.settings import LeaderSettings, settings_of_app
 from celery_nats_leader.term import TermReader
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.token import FencingToken
 from celery_nats_leader.worker.refused import NotRun
 
 if TYPE_CHECKING:

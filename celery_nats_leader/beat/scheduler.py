@@ -1,12 +1,25 @@
-"""The Celery side of the leader scheduler: a thin mixin over Celery's scheduler hooks.
+"""The Celery side of the leader scheduler: the mixin that wires the parts into Celery's hooks.
 
 :class:`LeaderSchedulerMixin` adapts Celery's ``Scheduler`` hooks
-(``setup_schedule``, ``tick``, ``apply_async``, ``should_sync``/``sync``,
-``close``, ``info``) to the parts that do the work, none of which imports
-Celery: the beat role (:mod:`celery_nats_leader.beat.election`), tick
-identity and planning (:mod:`celery_nats_leader.beat.ticks`), the state in KV
-(:mod:`celery_nats_leader.beat.state`) and the dispatcher that validates the
-token, commits, sends and reverts (:mod:`celery_nats_leader.beat.dispatcher`).
+(``setup_schedule``, ``tick``, ``should_sync``/``sync``, ``close``,
+``info``) and offers the hooks its subclasses override (``prepare_entry``,
+``catches_up``, ...). The work is done by the parts it wires:
+
+* :mod:`~celery_nats_leader.beat.leader_pass`: the leader's pass (which due
+  tick goes first; its dispatch and what came of it), a base of the mixin;
+* :mod:`~celery_nats_leader.beat.send`: the message of a committed tick and
+  Celery's ``apply_async``;
+* :mod:`~celery_nats_leader.beat.introspection`: what is read from Celery's
+  schedules (the period of an interval, Celery's own ``is_due()``, the cron
+  starting deadline);
+* :mod:`~celery_nats_leader.beat.signals`: SIGTERM and SIGINT held back
+  during a dispatch;
+* and, importing no Celery, the beat role
+  (:mod:`~celery_nats_leader.beat.election`), tick identity and planning
+  (:mod:`~celery_nats_leader.beat.ticks`), the state in KV
+  (:mod:`~celery_nats_leader.beat.state`) and the dispatcher that validates
+  the token, commits, sends and reverts
+  (:mod:`~celery_nats_leader.beat.dispatcher`).
 """
 
 from __future__ import annotations
@@ -14,45 +27,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import multiprocessing
-import signal
 import threading
-import traceback
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import datetime, timedelta
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from celery import beat as celery_beat
 from celery.beat import PersistentScheduler
-from celery.schedules import crontab
-from celery.schedules import schedule as celery_schedule
-from kombu.exceptions import OperationalError, SerializationError
 
 from celery_nats_leader.beat.agenda import Agenda
-from celery_nats_leader.beat.dispatcher import Outcome, Tick, TickDispatcher
+from celery_nats_leader.beat.dispatcher import TickDispatcher
 from celery_nats_leader.beat.election import SCHEDULER_META_KEY, BeatElection
-from celery_nats_leader.beat.fence import (
-    DISPATCHER_HEADER,
-    ENTRY_HEADER,
-    EPOCH_HEADER,
-    ONCE_HEADER,
-    ROLE_HEADER,
-    RUN_HEADER,
-    TICK_HEADER,
-)
+from celery_nats_leader.beat.introspection import has_standard_is_due, interval_of
+from celery_nats_leader.beat.leader_pass import LeaderPass
 from celery_nats_leader.beat.metrics import TickMetrics
+from celery_nats_leader.beat.send import is_permanent_send_error
+from celery_nats_leader.beat.signals import signals_deferred
 from celery_nats_leader.beat.state import EntryState
-from celery_nats_leader.beat.ticks import TickPlan, TickPlanner, slot_text, tick_task_id, to_utc
-from celery_nats_leader.celery_compat import (
-    beat_nodename,
-    deadline_left_to_the_slots,
-    slot_schedule,
-    slots_overrule_is_due,
-)
+from celery_nats_leader.beat.ticks import TickPlanner
+from celery_nats_leader.celery_compat import beat_nodename
 from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import (
     BucketConfigError,
@@ -61,63 +56,20 @@ from celery_nats_leader.errors import (
     ElectionError,
     PermissionDeniedError,
 )
-from celery_nats_leader.probes import ProbeResult, ProbeServer, liveness, readiness
-from celery_nats_leader.settings import LeaderSettings
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.observe.probes import ProbeResult, ProbeServer, liveness, readiness
 
 if TYPE_CHECKING:
-    # Celery is untyped: type-check the mixin as a Scheduler (``Any``).
-    from celery.beat import Scheduler as _SchedulerBase
-
-    from celery_nats_leader.prometheus import PrometheusObserver
-else:
-    _SchedulerBase = object
+    from celery_nats_leader.observe.prometheus import PrometheusObserver
 
 __all__ = ["LeaderScheduler", "LeaderSchedulerMixin"]
 
 logger = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold SIGTERM and SIGINT back while a tick is committed, sent and recorded.
-
-    ``celery beat``'s SIGTERM handler closes the scheduler and raises
-    ``SystemExit`` wherever the main thread is, a KV round trip included;
-    between the commit and the record that would leave the tick pending on a
-    plain graceful stop, for the next scheduler to send (late, maybe twice).
-    Python runs signal handlers on the main thread only, so swapping the
-    handlers there for the millisecond of the dispatch is enough. Elsewhere
-    (the embedded beat thread) signals never interrupt this code.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[tuple[int, FrameType | None]] = []
-
-    def defer(signum: int, frame: FrameType | None) -> None:
-        pending.append((signum, frame))
-
-    saved: dict[int, Any] = {}
-    try:
-        for held in (signal.SIGTERM, signal.SIGINT):
-            saved[held] = signal.signal(held, defer)
-        yield
-    finally:
-        for number, handler in saved.items():
-            signal.signal(number, handler)
-        for signum, frame in pending:
-            handler = saved.get(signum)
-            if callable(handler):
-                handler(signum, frame)
-            elif handler == signal.SIG_DFL:
-                signal.raise_signal(signum)
-
-
 # ---------------------------------------------------------------- scheduler
 
 
-class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is untyped
+class LeaderSchedulerMixin(LeaderPass):
     """Makes any Celery scheduler dispatch only while it leads the beat role.
 
     Put it first among the bases of a Celery scheduler class::
@@ -130,11 +82,12 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
     the run count) comes from KV, and the wrapped scheduler's own copy
     (``last_run_at``, ``total_run_count``) is updated by the leader for
     display only. Configuration comes from the app's ``nats_leader_*``
-    settings (see :class:`~celery_nats_leader.settings.LeaderSettings`).
+    settings (see :class:`~celery_nats_leader.config.settings.LeaderSettings`).
 
     As Celery's scheduler, it asks each entry's ``is_due()`` whether it is
-    due and when to ask again. The mixin only adapts Celery's hooks; the work
-    is done by parts composed in, none of which imports Celery:
+    due and when to ask again. The mixin adapts Celery's hooks; the leader's
+    pass is its base :class:`~celery_nats_leader.beat.leader_pass.LeaderPass`,
+    and the rest is done by parts composed in, none of which imports Celery:
     :class:`~celery_nats_leader.beat.election.BeatElection` (the role),
     :class:`~celery_nats_leader.beat.agenda.Agenda` (when to ask each entry
     again), :class:`~celery_nats_leader.beat.ticks.TickPlanner` (a due tick's
@@ -174,7 +127,7 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         self.nats_leader_probes: ProbeServer | None = None
         if beat_metrics_port(settings) is not None:
             # Imported only when asked for: prometheus-client is an optional extra.
-            from celery_nats_leader.prometheus import PrometheusObserver
+            from celery_nats_leader.observe.prometheus import PrometheusObserver
 
             observer = PrometheusObserver(
                 bucket=settings.bucket, namespace=settings.metrics_namespace
@@ -278,8 +231,7 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
         holidays) refuses ticks on purpose, and those must not be dispatched
         later as "missed"; after a gap it gets one tick, as with Celery.
         """
-        module = getattr(type(schedule).is_due, "__module__", "")
-        return module in STANDARD_IS_DUE_MODULES
+        return has_standard_is_due(schedule)
 
     def earliest_slot(self, entry: Any) -> datetime | None:
         """The time before which the entry has no ticks (``None``: no such bound).
@@ -349,7 +301,7 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             self.nats_leader_dispatcher = TickDispatcher(
                 election.store,
                 self.instance_id,
-                send_guard=_signals_deferred,
+                send_guard=signals_deferred,
                 is_permanent=is_permanent_send_error,
             )
 
@@ -491,324 +443,9 @@ class LeaderSchedulerMixin(_SchedulerBase):  # type: ignore[misc]  # Celery is u
             return ProbeResult(False, {"election": "not started"})
         return check(elector)
 
-    def _retry_delay(self) -> float:
-        return self.nats_leader_election.retry_delay(float(self.max_interval))
-
-    def _lead(self, handle: RoleHandle, token: FencingToken, dispatcher: TickDispatcher) -> float:
-        """A leader's pass: dispatch the oldest due tick, or say when to look again."""
-        max_interval = float(self.max_interval)
-        # Seconds before anything needs a look (not bounded by max_interval
-        # yet: Celery bounds the adjusted delay, see the end).
-        wake = math.inf
-        best: _Due | None = None
-        for name, entry in list(self.schedule.items()):
-            state = dispatcher.states.get(name)
-            if state is None:
-                state = self._adopt(name, entry, handle, token, dispatcher)
-                if state is None:
-                    wake = min(wake, self._retry_delay())
-                    continue
-            resend = dispatcher.pending_tick(name)
-            if resend is not None:
-                # The outbox: committed by another term, maybe never sent.
-                # Sent again before any later tick of the entry (no gate: it
-                # was admitted when it was committed).
-                again = _Due(resend.slot, name, entry, state, 0)
-                return self._dispatch(handle, token, dispatcher, again, resend=True)
-            # As Celery's heap: times on the entry's own clock (its schedule's now).
-            now = _timestamp(entry.default_now())
-            held = self.nats_leader_agenda.held_for(name, entry, state.revision, now)
-            if held is not None:
-                wake = min(wake, held)
-                continue
-            due = self._due(name, entry, state, now)
-            if not isinstance(due, _Due):
-                wake = min(wake, due)
-                continue
-            if best is not None and due.slot >= best.slot:
-                continue
-            gate = self.dispatch_gate(entry, state)
-            if gate is not None:
-                wake = min(wake, max(gate, 0.0))
-                continue
-            best = due
-        if best is None:
-            if wake == math.inf:
-                return max_interval
-            # As Celery's tick(): wake up 10 ms early (its adjust()), then
-            # bound by max_interval.
-            return max(0.0, min(float(self.adjust(wake)), max_interval))
-        return self._dispatch(handle, token, dispatcher, best)
-
-    def _due(self, name: str, entry: Any, state: EntryState, now_ts: float) -> _Due | float:
-        """The entry's due tick, or seconds before asking its schedule again.
-
-        As Celery, the entry's ``is_due()`` decides *whether* it is due and
-        when to ask again; the planner gives a due tick its identity (its
-        slot) and applies the catch-up rules.
-        """
-        max_interval = float(self.max_interval)
-        self.prepare_entry(entry, state)
-        try:
-            # Before Celery 5.7 the crontab's own deadline check refuses a due slot.
-            with deadline_left_to_the_slots(entry.schedule):
-                due, next_check = self.is_due(entry)
-        except Exception:
-            # As Celery: one entry that cannot be calculated must not stop the
-            # others; logged as Celery logs it, on the celery.beat logger.
-            due, next_check = self._is_due_failed(entry)
-        if not due:
-            wait = float(next_check) if is_numeric(next_check) else max_interval
-            wait = max(wait, 0.0)
-            held = min(wait, max_interval)
-            self.nats_leader_agenda.hold(name, entry, state.revision, now_ts + held)
-            return wait
-        self.nats_leader_agenda.release(name)
-        try:
-            now = entry.default_now()
-            plan = self._plan(name, entry, state, now)
-        except Exception:
-            logger.exception(
-                "nats-leader beat: cannot calculate the slot of %r's due tick; trying again in %gs",
-                name,
-                max_interval,
-            )
-            self.nats_leader_agenda.hold(name, entry, state.revision, now_ts + max_interval)
-            return max_interval
-        if plan is not None and plan.due and plan.slot is not None:
-            return _Due(plan.slot, name, entry, state, plan.skipped)
-        if (
-            plan is not None
-            and plan.slot is not None
-            and self.catches_up(entry.schedule)
-            and slots_overrule_is_due(entry.schedule)
-        ):
-            # Celery's own crontab/solar is_due() said due, its slots say not
-            # yet: the slots decide (before Celery 5.7 crontab.is_due() computes
-            # in wall-clock time, an hour off across a DST change), so no extra tick.
-            wait = min(plan.wait, max_interval)
-            self.nats_leader_agenda.hold(name, entry, state.revision, now_ts + wait)
-            return wait
-        # Due by is_due() although no slot of the schedule is (a custom
-        # is_due(), a clocked time before the entry's anchor): the tick is
-        # identified by the time it was found due, as Celery's last_run_at.
-        slot = to_utc(now)
-        if slot <= state.slot:
-            slot = state.slot + _ONE_MICROSECOND
-        return _Due(slot, name, entry, state, 0)
-
-    def _is_due_failed(self, entry: Any) -> tuple[bool, float]:
-        """Celery's handling of an entry whose ``is_due()`` raised: log, ask again later.
-
-        Celery 5.7 has it (logged on the ``celery.beat`` logger, which is
-        where users watch beat's errors); older versions let the error stop
-        beat, so the same is done here with Celery's message.
-        """
-        celery_handler = getattr(super(), "_is_due_failed", None)
-        if celery_handler is not None:
-            due, next_check = celery_handler(entry)
-            return bool(due), float(next_check)
-        celery_beat.error(
-            "beat: Cannot calculate the next run of %r, trying again in %ss.",
-            entry.name,
-            self.max_interval,
-            exc_info=True,
-        )
-        return False, float(self.max_interval)
-
-    def _plan(self, name: str, entry: Any, state: EntryState, now: datetime) -> TickPlan | None:
-        """The planner's view of a due entry (``None``: its schedule has no slots)."""
-        schedule = entry.schedule
-        not_before = self.earliest_slot(entry)
-        deadline = self.app.conf.beat_cron_starting_deadline
-        if deadline is not None and isinstance(schedule, crontab):
-            # As Celery: a cron slot older than the deadline is not run.
-            cutoff = to_utc(now) - timedelta(seconds=float(deadline))
-            not_before = cutoff if not_before is None else max(to_utc(not_before), cutoff)
-        # A schedule with its own is_due() decides which ticks exist: the
-        # ticks it refused are not caught up later (Celery's behaviour).
-        limit = None if self.catches_up(schedule) else 0
-        try:
-            # Before Celery 5.7 a crontab needs help to give 5.7's slots.
-            return self.nats_leader_planner.plan(
-                name,
-                slot_schedule(schedule),
-                state.slot,
-                now,
-                not_before=not_before,
-                max_catch_up=limit,
-            )
-        except NotImplementedError:
-            # A custom schedule with is_due() only: its ticks have no slots.
-            return None
-
-    def _adopt(
-        self,
-        name: str,
-        entry: Any,
-        handle: RoleHandle,
-        token: FencingToken,
-        dispatcher: TickDispatcher,
-    ) -> EntryState | None:
-        """Give a new entry its KV state, anchored at its own last run (or now)."""
-        if not handle.is_leader:
-            return None
-        last = getattr(entry, "last_run_at", None) or entry.default_now()
-        return dispatcher.adopt(
-            name,
-            last,
-            runs=int(getattr(entry, "total_run_count", 0) or 0),
-            task=str(entry.task),
-            token=token,
-        )
-
-    def _dispatch(
-        self,
-        handle: RoleHandle,
-        token: FencingToken,
-        dispatcher: TickDispatcher,
-        due: _Due,
-        *,
-        resend: bool = False,
-    ) -> float:
-        """Hand one due tick to the dispatcher. Returns the delay before the next pass."""
-        # Connect to the broker before committing: a tick must not wait for
-        # a broker connection between its commit and its send.
-        producer = self.producer
-        name, entry = due.name, due.entry
-        tick = Tick(name, due.slot, task=str(entry.task), skipped=due.skipped, resend=resend)
-        result = dispatcher.dispatch(
-            handle, token, tick, lambda committed: self._send(entry, committed, token, producer)
-        )
-        outcome, metrics = result.outcome, self.nats_leader_metrics
-        if result.error is not None:
-            metrics.add(name, "send_failed")
-        if outcome in (Outcome.REVERTED, Outcome.UNSENT):
-            # Both are sent later: undone, or left pending for the outbox.
-            metrics.add(name, "reverted")
-        elif outcome is Outcome.FAILED:
-            metrics.add(name, "lost")
-        if outcome is Outcome.REVERTED and result.error is not None:
-            # A failed send: this entry backs off, the others go on.
-            self.nats_leader_agenda.back_off(
-                name,
-                _timestamp(entry.default_now()),
-                first=self._retry_delay(),
-                cap=float(self.max_interval),
-            )
-            return 0.0
-        if outcome in (Outcome.UNCONFIRMED, Outcome.NOT_COMMITTED, Outcome.REVERTED):
-            return self._retry_delay() if handle.is_leader else 0.0
-        if outcome is Outcome.CONFLICT and result.state is None:
-            return self._retry_delay()
-        if outcome not in (Outcome.SENT, Outcome.FAILED):
-            return 0.0
-        self.nats_leader_agenda.succeeded(name)
-        committed = result.state
-        assert committed is not None
-        if outcome is Outcome.SENT:
-            metrics.add(name, "resent" if resend else "dispatched")
-        metrics.add(name, "skipped", due.skipped)
-        if due.skipped:
-            logger.warning(
-                "nats-leader beat: %r had %s%d overdue ticks: skipped all but the latest, %s "
-                "(one run: the oldest was older than the catch-up window of %gs, or more "
-                "than beat_max_catch_up=%d were overdue)",
-                name,
-                "" if self.nats_leader_planner.interval_of(entry.schedule) else "at least ",
-                due.skipped + 1,
-                slot_text(committed.slot),
-                self.nats_leader_settings.catch_up_window(),
-                self.nats_leader_settings.beat_max_catch_up,
-            )
-        self.record_run(entry, committed)
-        if self.should_sync():
-            self._do_sync()
-        return 0.0
-
-    def _send(self, entry: Any, committed: EntryState, token: FencingToken, producer: Any) -> None:
-        """Publish one committed tick through Celery's ``apply_async`` hook."""
-        role = self.nats_leader_election.config.role
-        slot = slot_text(committed.slot)
-        options = dict(entry.options or {})
-        own_headers = dict(options.get("headers") or {})
-        task_id = tick_task_id(
-            self.nats_leader_settings.beat_state_bucket, role, committed.entry, slot
-        )
-        # Run once on the workers unless opted out (the settings, the entry's
-        # options or, for database rows, the entry's headers), and only under
-        # our per-tick id: an id the entry fixes is the same for every tick.
-        opted_out = _opts_out(options.pop(ONCE_HEADER, None)) or _opts_out(
-            own_headers.get(ONCE_HEADER)
-        )
-        options.setdefault("task_id", task_id)
-        once = (
-            self.nats_leader_settings.beat_once and not opted_out and options["task_id"] == task_id
-        )
-        # The epoch, not the token: the token is the term's secret, and
-        # headers end up in logs and brokers. The worker-side check needs the
-        # epoch only; the dispatcher's instance id says who sent it.
-        options["headers"] = {
-            **own_headers,
-            EPOCH_HEADER: token.epoch,
-            ROLE_HEADER: role,
-            ENTRY_HEADER: committed.entry,
-            TICK_HEADER: slot,
-            RUN_HEADER: committed.runs,
-            DISPATCHER_HEADER: self.instance_id,
-            ONCE_HEADER: once,
-        }
-        # Send a shallow clone carrying this tick's options: the entry itself
-        # may be persisted (shelve, database) and must not keep them. No
-        # __reduce__ (ModelEntry cannot be rebuilt that way): copy the fields.
-        outgoing = object.__new__(type(entry))
-        outgoing.__dict__.update(entry.__dict__)
-        outgoing.options = options
-        self._sending = True
-        try:
-            result = self.apply_async(outgoing, producer=producer, advance=False)
-        except Exception as exc:
-            # As Celery's apply_entry(), on the celery.beat logger (where
-            # users alert on beat's errors); the dispatcher then decides
-            # whether the tick is sent again or dropped, and says so.
-            celery_beat.error("Message Error: %s\n%s", exc, traceback.format_stack(), exc_info=True)
-            raise
-        finally:
-            self._sending = False
-        logger.info(
-            "Scheduler: Sending due task %s (%s) tick %s run %d epoch %d id %s",
-            committed.entry,
-            entry.task,
-            slot,
-            committed.runs,
-            token.epoch,
-            getattr(result, "id", options["task_id"]),
-        )
-
-
-def _opts_out(value: Any) -> bool:
-    """Whether an entry's ``nats_leader_once`` option or header turns the once-guard off."""
-    return value is not None and str(value).strip().lower() in {"false", "0", "no", "off"}
-
-
-@dataclass(frozen=True)
-class _Due:
-    """A due tick chosen for dispatch."""
-
-    slot: datetime
-    name: str
-    entry: Any
-    state: EntryState
-    skipped: int
-
-
-_ONE_MICROSECOND = timedelta(microseconds=1)
 
 #: A catch-up window at least this long is none (``float("inf")`` included).
 _NO_WINDOW_SECONDS = 1e13
-
-#: Modules whose schedules' ``is_due()`` is plain "is a slot due" (see ``catches_up``).
-STANDARD_IS_DUE_MODULES = frozenset({"celery.schedules", "django_celery_beat.tzcrontab"})
 
 
 def beat_metrics_port(settings: LeaderSettings) -> int | None:
@@ -834,50 +471,6 @@ def _embedded() -> bool:
         multiprocessing.current_process().name == "Beat"
         or threading.current_thread().name == "Beat"
     )
-
-
-def _timestamp(moment: datetime) -> float:
-    return to_utc(moment).timestamp()
-
-
-def is_numeric(value: object) -> bool:
-    """Whether ``value`` is a number of seconds (Celery's schedules may return ``None``)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def interval_of(schedule: Any) -> timedelta | None:
-    """The period of a schedule whose slots are ``anchor + k * period``, else ``None``.
-
-    That is Celery's plain ``schedule`` (and django-celery-beat's interval
-    rows), not relative and with Celery's own ``remaining_estimate``; a
-    subclass that computes its remaining time otherwise is planned by jumping.
-    """
-    if not isinstance(schedule, celery_schedule) or schedule.relative:
-        return None
-    if type(schedule).remaining_estimate is not celery_schedule.remaining_estimate:
-        return None
-    period = schedule.run_every
-    return period if isinstance(period, timedelta) else None
-
-
-def is_permanent_send_error(exc: BaseException) -> bool:
-    """Whether a send failed in a way that every retry would repeat.
-
-    Celery wraps the cause in ``SchedulingError``; a message that cannot be
-    serialized (kombu's ``EncodeError``, a ``TypeError`` or ``ValueError``
-    from the encoder) fails the same way every time, while a broker or
-    network error (``OSError``, kombu's ``OperationalError``) may pass later.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, (OSError, OperationalError)):
-            return False
-        if isinstance(current, (SerializationError, TypeError, ValueError)):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
 
 
 class LeaderScheduler(LeaderSchedulerMixin, PersistentScheduler):  # type: ignore[misc]

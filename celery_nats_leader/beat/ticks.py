@@ -23,7 +23,7 @@ bounded number of ``remaining_estimate()`` calls whatever the gap.
 
 Catch-up is for failovers, not for outages: missed ticks are dispatched one by
 one only while the oldest of them is inside the *catch-up window* (by default
-``2 x ttl + 5 s``, see :meth:`~celery_nats_leader.settings.LeaderSettings.catch_up_window`),
+``2 x ttl + 5 s``, see :meth:`~celery_nats_leader.config.settings.LeaderSettings.catch_up_window`),
 which every tick missed during a failover is; a longer gap (every replica
 down, a migration) coalesces into one run, as with Celery's own scheduler.
 

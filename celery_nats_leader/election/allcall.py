@@ -65,8 +65,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_nats_leader import constants as c
 from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
+from celery_nats_leader.config import constants as c
 from celery_nats_leader.election.allcall_protocol import (
     ALLCALL_VERB,
     REMEMBERED_RELEASES,
@@ -86,8 +86,8 @@ from celery_nats_leader.election.allcall_protocol import (
 from celery_nats_leader.election.base import BaseElection
 from celery_nats_leader.election.vocabulary import DemoteReason, ElectionState, control_subject
 from celery_nats_leader.errors import ConfigError, ElectionError
-from celery_nats_leader.record import LeaderRecord
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import LeaderRecord
+from celery_nats_leader.term.token import FencingToken
 
 logger = logging.getLogger(__name__)
 

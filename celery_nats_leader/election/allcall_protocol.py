@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from celery_nats_leader.token import ALLCALL_EPOCH_FLOOR
+from celery_nats_leader.term.token import ALLCALL_EPOCH_FLOOR
 
 #: Version of the message layout, written into every message.
 WIRE_VERSION = 1
@@ -227,7 +227,7 @@ def new_epoch(wall_now: float, max_epoch_seen: int) -> int:
     ``max(wall milliseconds, highest epoch heard + 1)``: greater than every
     epoch this node has heard of, and (clocks permitting) greater than epochs
     of terms it never heard of that began earlier. Never below
-    :data:`~celery_nats_leader.token.ALLCALL_EPOCH_FLOOR`, even with a wall
+    :data:`~celery_nats_leader.term.token.ALLCALL_EPOCH_FLOOR`, even with a wall
     clock set before 2001, so that an epoch always says which strategy made
     it (KV epochs are revisions, far below).
 

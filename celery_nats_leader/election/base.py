@@ -31,10 +31,10 @@ import logging
 import random
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, ConnectionListener, Subscription
 from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
 from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.config import constants as c
 from celery_nats_leader.election.callbacks import CallbackRunner
 from celery_nats_leader.election.control import ResignAnswer, ResignRequest
 from celery_nats_leader.election.health import watch_health
@@ -51,8 +51,8 @@ from celery_nats_leader.election.vocabulary import (
     control_subject,
 )
 from celery_nats_leader.errors import ConfigError, ElectionError, ElectionStoppedError
-from celery_nats_leader.record import LeaderRecord
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import LeaderRecord
+from celery_nats_leader.term.token import FencingToken
 
 if TYPE_CHECKING:
     from celery_nats_leader.election.services import (

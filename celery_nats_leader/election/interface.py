@@ -20,8 +20,8 @@ from celery_nats_leader.election.vocabulary import (
     PromoteCallback,
 )
 from celery_nats_leader.errors import ElectionError
-from celery_nats_leader.record import LeaderRecord
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import LeaderRecord
+from celery_nats_leader.term.token import FencingToken
 
 
 class LeaderElection(Protocol):

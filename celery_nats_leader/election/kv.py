@@ -29,9 +29,9 @@ import uuid
 from collections import deque
 from typing import Any
 
-from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, Bucket, KVEntry, Operation
 from celery_nats_leader.backoff import Backoff
+from celery_nats_leader.config import constants as c
 from celery_nats_leader.election.base import BaseElection
 from celery_nats_leader.election.follower_view import FollowerView
 from celery_nats_leader.election.roster import Roster
@@ -49,9 +49,9 @@ from celery_nats_leader.errors import (
     RecordFormatError,
     RevisionMismatchError,
 )
-from celery_nats_leader.record import LeaderRecord, decode_record, encode_record
 from celery_nats_leader.term import read_term
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import LeaderRecord, decode_record, encode_record
+from celery_nats_leader.term.token import FencingToken
 
 logger = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ from celery_nats_leader.election.vocabulary import DemoteReason, ElectionState, 
 from celery_nats_leader.errors import LeadershipLostError
 
 if TYPE_CHECKING:
-    from celery_nats_leader.token import FencingToken
+    from celery_nats_leader.term.token import FencingToken
 
 __all__ = ["LeaderContext", "LeaderServiceRunner", "LeadingScope"]
 

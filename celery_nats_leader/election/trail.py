@@ -17,10 +17,10 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
-from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend
 from celery_nats_leader.clock import Clock
 from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.config import constants as c
 from celery_nats_leader.election.vocabulary import DemoteReason, event_subject
 from celery_nats_leader.events import EventKind, TransitionEvent, kind_of
 

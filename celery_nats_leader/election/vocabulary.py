@@ -14,13 +14,13 @@ import enum
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
-from celery_nats_leader import constants as c
+from celery_nats_leader.config import constants as c
 
 if TYPE_CHECKING:
     from celery_nats_leader.config import ElectionConfig
     from celery_nats_leader.errors import ElectionError
-    from celery_nats_leader.record import LeaderRecord
-    from celery_nats_leader.token import FencingToken
+    from celery_nats_leader.term.record import LeaderRecord
+    from celery_nats_leader.term.token import FencingToken
 
 
 class ElectionState(str, enum.Enum):

@@ -20,7 +20,7 @@ import nats
 from nats.aio.client import Client
 
 from celery_nats_leader.backend import ConnectionListener
-from celery_nats_leader.constants import DEFAULT_SERVERS
+from celery_nats_leader.config.constants import DEFAULT_SERVERS
 from celery_nats_leader.errors import ConfigError, NatsUnavailableError
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.nats.refusals import note_refusal

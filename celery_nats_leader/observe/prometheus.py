@@ -43,7 +43,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_nats_leader.constants import DEFAULT_METRICS_NAMESPACE
+from celery_nats_leader.config.constants import DEFAULT_METRICS_NAMESPACE
 from celery_nats_leader.errors import ConfigError
 
 try:
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from celery_nats_leader.election import DemoteReason
     from celery_nats_leader.elector import Elector, RoleHandle
     from celery_nats_leader.errors import ElectionError
-    from celery_nats_leader.record import LeaderRecord
+    from celery_nats_leader.term.record import LeaderRecord
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from celery_nats_leader.backend import Backend, BucketInfo
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.errors import (
     BucketNotFoundError,
     ConfigError,
@@ -23,8 +24,7 @@ from celery_nats_leader.errors import (
 )
 from celery_nats_leader.ops.events import StreamInfo, ensure_events_stream, stream_info
 from celery_nats_leader.ops.oneshot import operator_name, with_backend
-from celery_nats_leader.settings import LeaderSettings
-from celery_nats_leader.token import ALLCALL_EPOCH_FLOOR
+from celery_nats_leader.term.token import ALLCALL_EPOCH_FLOOR
 
 logger = logging.getLogger(__name__)
 

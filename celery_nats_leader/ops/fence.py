@@ -57,8 +57,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend, KVEntry, Operation
+from celery_nats_leader.config import constants as c
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.election.control import ResignAnswer, ResignRequest
 from celery_nats_leader.election.vocabulary import control_subject
 from celery_nats_leader.errors import (
@@ -69,8 +70,7 @@ from celery_nats_leader.errors import (
     RevisionMismatchError,
 )
 from celery_nats_leader.ops.oneshot import with_backend
-from celery_nats_leader.record import LeaderRecord, decode_record, encode_fence
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.term.record import LeaderRecord, decode_record, encode_fence
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from celery_nats_leader.nats import open_backend
 
 if TYPE_CHECKING:
     from celery_nats_leader.backend import Backend
-    from celery_nats_leader.settings import LeaderSettings
+    from celery_nats_leader.config.settings import LeaderSettings
 
 T = TypeVar("T")
 

@@ -15,15 +15,15 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from celery_nats_leader import constants as c
 from celery_nats_leader.backend import Backend
 from celery_nats_leader.config import Strategy
-from celery_nats_leader.constants import DEFAULT_ROSTER_WINDOW_SECONDS, ROSTER_VERB
+from celery_nats_leader.config import constants as c
+from celery_nats_leader.config.constants import DEFAULT_ROSTER_WINDOW_SECONDS, ROSTER_VERB
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.election.vocabulary import control_subject
 from celery_nats_leader.errors import ElectionError, RecordFormatError
 from celery_nats_leader.ops.oneshot import operator_name, with_backend
-from celery_nats_leader.record import decode_record
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.term.record import decode_record
 
 #: Version of the ``election_status --json`` document; bumped only on an
 #: incompatible change (fields are only ever added within one version).

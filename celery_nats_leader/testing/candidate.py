@@ -49,8 +49,8 @@ from typing import Any, TextIO
 
 from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionError
 from celery_nats_leader.nats import ConnectionListener, ConnectOptions, open_backend
-from celery_nats_leader.record import LeaderRecord
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import LeaderRecord
+from celery_nats_leader.term.token import FencingToken
 
 __all__ = ["main"]
 

@@ -37,8 +37,8 @@ import pytest
 if TYPE_CHECKING:
     from celery_nats_leader.elector import Elector
     from celery_nats_leader.nats.memory import MemoryServer
+    from celery_nats_leader.term.token import FencingToken
     from celery_nats_leader.testing.nats_server import NatsServer
-    from celery_nats_leader.token import FencingToken
     from celery_nats_leader.worker.state import WorkerLeadership
 
 __all__ = ["Execution", "Leadership"]
@@ -162,7 +162,7 @@ class Leadership:
             The new term's fencing token (its epoch is higher than any before).
 
         """
-        from celery_nats_leader.token import FencingToken
+        from celery_nats_leader.term.token import FencingToken
 
         self._epoch += 1
         token = FencingToken(self._epoch, secrets.token_hex(16))

@@ -31,8 +31,8 @@ from celery_nats_leader.celery_compat import (
     immediate_acks,
     pool_shutdown_tells_every_process,
 )
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.errors import ConfigError, ElectionError
-from celery_nats_leader.settings import LeaderSettings
 from celery_nats_leader.worker.service import LeaderService
 from celery_nats_leader.worker.tasks import install_routing
 

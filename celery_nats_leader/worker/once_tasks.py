@@ -62,6 +62,7 @@ from celery.utils.log import get_task_logger
 from celery_nats_leader.backend import Bucket
 from celery_nats_leader.backoff import retry_transient
 from celery_nats_leader.celery_compat import replaced_task_nesting
+from celery_nats_leader.config.settings import LeaderSettings, settings_of_app
 from celery_nats_leader.errors import (
     BucketConfigError,
     BucketNotFoundError,
@@ -70,7 +71,6 @@ from celery_nats_leader.errors import (
 )
 from celery_nats_leader.process_client import ProcessClient
 from celery_nats_leader.recipes.once_guard import Claim, ClaimLostError, OnceGuard, Verdict
-from celery_nats_leader.settings import LeaderSettings, settings_of_app
 from celery_nats_leader.worker.refused import NotRun
 
 __all__ = ["OnceService", "OnceTask", "run_once", "run_task_once"]

@@ -25,14 +25,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.election import DemoteReason, ElectionState
 from celery_nats_leader.election.observer import ElectionObserver
 from celery_nats_leader.election.services import LeaderServiceRunner
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.observe.probes import ProbeServer
-from celery_nats_leader.settings import LeaderSettings
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.token import FencingToken
 from celery_nats_leader.worker import state as worker_state
 from celery_nats_leader.worker.beat_once import guard_beat_ticks
 from celery_nats_leader.worker.broker_wake import wake_consumer

@@ -25,7 +25,7 @@ __all__ = ["leader_demoted", "leader_promoted"]
 #: Sent when this worker becomes the leader of a role.
 #:
 #: Arguments: ``sender`` (the role, a ``str``), ``token``
-#: (:class:`~celery_nats_leader.token.FencingToken` of the new term) and
+#: (:class:`~celery_nats_leader.term.token.FencingToken` of the new term) and
 #: ``instance_id`` (this worker's election id).
 leader_promoted = Signal(name="leader_promoted", providing_args={"token", "instance_id"})
 

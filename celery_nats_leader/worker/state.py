@@ -45,7 +45,7 @@ from typing import Protocol
 
 from celery_nats_leader.nats import ConnectOptions
 from celery_nats_leader.term import TermReader
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.token import FencingToken
 
 logger = logging.getLogger(__name__)
 

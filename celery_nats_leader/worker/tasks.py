@@ -55,11 +55,11 @@ from celery import Task
 from celery._state import get_current_task
 from celery.exceptions import Reject
 
-from celery_nats_leader import constants as c
+from celery_nats_leader.config import constants as c
 from celery_nats_leader.config import validate_key
+from celery_nats_leader.config.settings import settings_of_app
 from celery_nats_leader.errors import ConfigError, LeadershipLostError, NotLeaderError
-from celery_nats_leader.settings import settings_of_app
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.token import FencingToken
 from celery_nats_leader.worker import state as worker_state
 from celery_nats_leader.worker.refused import NotRun
 

@@ -26,7 +26,7 @@ from celery_nats_leader.clock import ManualClock
 from celery_nats_leader.election.allcall import AllcallElection
 from celery_nats_leader.nats.connection import ConnectOptions
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
-from celery_nats_leader.record import LeaderRecord
+from celery_nats_leader.term.record import LeaderRecord
 
 # Logical timings of the memory tests: binary fractions, so that sums of
 # steps land exactly on heartbeats and deadlines.

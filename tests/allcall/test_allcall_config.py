@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from celery_nats_leader import ConfigError, ElectionConfig
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.config.settings import LeaderSettings
 
 
 def test_seed_defaults() -> None:

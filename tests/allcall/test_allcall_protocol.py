@@ -20,7 +20,7 @@ from celery_nats_leader.election.allcall_protocol import (
     new_epoch,
     rank_of,
 )
-from celery_nats_leader.token import ALLCALL_EPOCH_FLOOR
+from celery_nats_leader.term.token import ALLCALL_EPOCH_FLOOR
 
 SKEW = 1.0
 

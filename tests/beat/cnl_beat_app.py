@@ -41,7 +41,7 @@ from celery_nats_leader.beat import (
     FencedBeatTask,
     check_dispatch_token,
 )
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.testing import kombu_fs
 from celery_nats_leader.worker.once_tasks import OnceTask, run_once
 from celery_nats_leader.worker.refused import NotRun

@@ -41,7 +41,7 @@ from celery_nats_leader.beat.state import EntryState, decode_state, state_key
 from celery_nats_leader.beat.ticks import slot_text
 from celery_nats_leader.errors import RecordFormatError
 from celery_nats_leader.loop_thread import EventLoopThread
-from celery_nats_leader.record import LeaderRecord, decode_record
+from celery_nats_leader.term.record import LeaderRecord, decode_record
 from celery_nats_leader.testing import NatsServer
 from tests.support import REPO
 from tests.support.brokers import Broker

@@ -19,8 +19,8 @@ from cnl_beat_checks import check_exactly_once, check_terms
 from cnl_beat_harness import LEADERS_BUCKET, TTL, BeatCluster, wait_for
 
 from celery_nats_leader.beat.ticks import parse_slot
-from celery_nats_leader.record import decode_record
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.config.settings import LeaderSettings
+from celery_nats_leader.term.record import decode_record
 
 pytestmark = [pytest.mark.integration, pytest.mark.celery, pytest.mark.timeout(240)]
 

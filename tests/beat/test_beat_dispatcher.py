@@ -20,7 +20,7 @@ from celery_nats_leader.beat.state import EntryState, ScheduleStateStore
 from celery_nats_leader.elector import Elector
 from celery_nats_leader.errors import BackendTimeoutError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.token import FencingToken
 
 UTC = timezone.utc
 T0 = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)

@@ -26,7 +26,7 @@ from celery_nats_leader.beat import (
     TICK_HEADER,
     TOKEN_HEADER,
 )
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.token import FencingToken
 
 pytestmark = [pytest.mark.integration, pytest.mark.celery, pytest.mark.timeout(180)]
 

@@ -35,7 +35,7 @@ from cnl_beat_harness import CELERY, HERE, BeatCluster, Database, wait_for
 from cnl_beat_ledger import Run
 
 from celery_nats_leader.beat.ticks import parse_slot
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.config.settings import LeaderSettings
 from tests.support.brokers import REDIS_URL
 from tests.support.services import require_service
 

@@ -22,9 +22,9 @@ from click.testing import CliRunner, Result
 from redbeat.decoder import RedBeatJSONDecoder, RedBeatJSONEncoder
 
 from celery_nats_leader.beat.state import state_key
-from celery_nats_leader.cli import nats_leader
 from celery_nats_leader.errors import ConfigError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
+from celery_nats_leader.ops.cli import nats_leader
 from celery_nats_leader.ops.seed import (
     LastRun,
     _redbeat_datetime,

@@ -35,10 +35,11 @@ from celery_nats_leader.beat import (
     check_dispatch_token,
     tick_task_id,
 )
-from celery_nats_leader.beat.scheduler import interval_of
+from celery_nats_leader.beat.introspection import interval_of
 from celery_nats_leader.beat.state import EntryState, decode_state, encode_state, state_key
 from celery_nats_leader.beat.ticks import TickPlanner, next_slot, parse_slot, slot_text
 from celery_nats_leader.celery_compat import slot_schedule
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.elector import Elector
 from celery_nats_leader.errors import (
     BucketConfigError,
@@ -52,8 +53,7 @@ from celery_nats_leader.nats.memory import (
     _MemoryBucketState,
     _Stored,
 )
-from celery_nats_leader.record import encode_record
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.term.record import encode_record
 
 UTC = timezone.utc
 T0 = datetime(2024, 5, 1, 11, 59, 30, 250000, tzinfo=UTC)

@@ -17,9 +17,9 @@ from celery import Celery
 from click.testing import CliRunner, Result
 
 from celery_nats_leader import ElectionConfig, Elector
-from celery_nats_leader.cli import nats_leader
+from celery_nats_leader.config.settings import settings_of_app
+from celery_nats_leader.ops.cli import nats_leader
 from celery_nats_leader.recipes.once_guard import OnceGuard, Verdict
-from celery_nats_leader.settings import settings_of_app
 from celery_nats_leader.testing import NatsServer
 from celery_nats_leader.worker.once_tasks import OnceService
 

@@ -27,7 +27,7 @@ from cnl_celery_harness import Cluster, run_cli, wait_for
 
 from celery_nats_leader.nats.connection import ConnectOptions, connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend
-from celery_nats_leader.record import encode_record
+from celery_nats_leader.term.record import encode_record
 from tests.support.brokers import Broker
 
 pytestmark = [pytest.mark.celery, pytest.mark.integration]

@@ -221,14 +221,14 @@ def test_a_child_killed_while_counting_does_not_wedge_the_others() -> None:
 def test_unknown_settings_are_reported_with_the_closest_name(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from celery_nats_leader.settings import LeaderSettings, unknown_celery_settings
+    from celery_nats_leader.config.settings import LeaderSettings, unknown_celery_settings
 
     app = Celery("typos", set_as_current=False)
     app.conf.update(nats_leader_rolse=["jobs"], nats_leader_ttl=4, broker_url="memory://")
     assert unknown_celery_settings(app.conf) == [
         "unknown setting 'nats_leader_rolse' is ignored; did you mean 'nats_leader_roles'?"
     ]
-    with caplog.at_level("WARNING", logger="celery_nats_leader.settings"):
+    with caplog.at_level("WARNING", logger="celery_nats_leader.config.settings"):
         settings = LeaderSettings.from_celery(app.conf)
     assert settings.roles == ("default",)  # the typo did not set the roles
     assert "did you mean 'nats_leader_roles'?" in caplog.text
@@ -251,7 +251,7 @@ def test_unknown_settings_are_reported_with_the_closest_name(
 
 
 def test_setting_errors_name_the_setting_as_written() -> None:
-    from celery_nats_leader.settings import LeaderSettings
+    from celery_nats_leader.config.settings import LeaderSettings
 
     app = Celery("names", set_as_current=False)
     app.conf.update(nats_leader_roles=["bad role"])

@@ -7,7 +7,7 @@ import time
 import pytest
 from celery import Celery
 
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.testing import free_port
 from celery_nats_leader.worker.health import broker_check, broker_reachable
 from tests.support.brokers import AMQP_URL, REDIS_URL

@@ -40,7 +40,7 @@ from typing import Any
 from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionError
 from celery_nats_leader.election.observer import NullObserver
 from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, open_backend
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.token import FencingToken
 
 __all__ = ["EventLog", "FileFence", "main", "pg_settings"]
 

@@ -21,7 +21,7 @@ from django.core.management.base import CommandError
 
 from celery_nats_leader.election.allcall_protocol import new_epoch
 from celery_nats_leader.errors import LeadershipLostError
-from celery_nats_leader.token import FencingToken, epoch_strategy
+from celery_nats_leader.term.token import FencingToken, epoch_strategy
 from django_nats_leader.fencing import (
     StaleLeaderError,
     StrategyChangedError,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.config.settings import LeaderSettings
 from django_nats_leader.health import database_check, database_reachable
 from tests.django.conftest import PG_PROBLEM, require_postgres
 

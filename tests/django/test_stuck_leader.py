@@ -20,8 +20,8 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from celery_nats_leader.ops.fence import FenceOutcome
+from celery_nats_leader.term.token import ALLCALL_EPOCH_FLOOR
 from celery_nats_leader.testing import CandidateGroup, NatsServer
-from celery_nats_leader.token import ALLCALL_EPOCH_FLOOR
 from django_nats_leader.fencing import StaleLeaderError, current_epoch, fenced
 from django_nats_leader.management.commands import election_fence
 from tests.django.conftest import Candidates, require_postgres

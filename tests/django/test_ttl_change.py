@@ -18,8 +18,8 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
+from celery_nats_leader.term.token import FencingToken
 from celery_nats_leader.testing import NatsServer
-from celery_nats_leader.token import FencingToken
 from django_nats_leader.fencing import StaleLeaderError, current_epoch, fenced
 from tests.django.conftest import Candidates
 from tests.django.fenceapp.models import Write

@@ -24,7 +24,7 @@ import click
 import pytest
 import yaml
 
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.config.settings import LeaderSettings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))

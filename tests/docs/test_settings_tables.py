@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.config.settings import LeaderSettings
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

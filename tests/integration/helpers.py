@@ -29,7 +29,7 @@ from nats.js.api import KeyValueConfig
 
 from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionError, FencingToken
 from celery_nats_leader.nats import ConnectOptions, JetStreamBackend
-from celery_nats_leader.record import LeaderRecord, decode_record
+from celery_nats_leader.term.record import LeaderRecord, decode_record
 from celery_nats_leader.testing import CandidateEvent, CandidateGroup, NatsServer
 
 T = TypeVar("T")

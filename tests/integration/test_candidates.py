@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 
-from celery_nats_leader.record import decode_record
+from celery_nats_leader.term.record import decode_record
 from celery_nats_leader.testing import CandidateGroup
 from tests.integration.helpers import (
     HEARTBEAT,

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from celery_nats_leader import DemoteReason, Elector
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.testing import NatsServer
 from tests.integration.helpers import ROLE, TTL
 

@@ -18,7 +18,7 @@ from nats.js.api import KeyValueConfig
 
 from celery_nats_leader import Election, ElectionConfig, ElectionState
 from celery_nats_leader.nats.jetstream import JetStreamBackend
-from celery_nats_leader.record import decode_record, encode_record
+from celery_nats_leader.term.record import decode_record, encode_record
 from celery_nats_leader.testing import CandidateGroup, NatsServer, binary_version
 from tests.integration.helpers import (
     BUCKET,

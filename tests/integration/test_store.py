@@ -22,7 +22,7 @@ from celery_nats_leader import (
     ElectionState,
     JetStreamUnavailableError,
 )
-from celery_nats_leader.record import encode_record
+from celery_nats_leader.term.record import encode_record
 from celery_nats_leader.testing import NatsServer
 from tests.integration.helpers import (
     BUCKET,

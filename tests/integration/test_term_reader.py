@@ -11,8 +11,8 @@ from celery_nats_leader import ElectionConfig, Elector
 from celery_nats_leader.errors import ElectionError, NatsUnavailableError
 from celery_nats_leader.nats import ConnectOptions
 from celery_nats_leader.term import TermReader
+from celery_nats_leader.term.token import FencingToken
 from celery_nats_leader.testing import NatsServer, free_port
-from celery_nats_leader.token import FencingToken
 
 
 def test_reads_the_live_term_and_sees_it_end(nats_server: NatsServer) -> None:

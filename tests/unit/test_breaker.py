@@ -17,7 +17,7 @@ import pytest
 from celery_nats_leader import Election, ElectionConfig
 from celery_nats_leader.backoff import Backoff
 from celery_nats_leader.clock import ManualClock
-from celery_nats_leader.constants import BACKOFF_MAX_SECONDS, CIRCUIT_BREAKER_THRESHOLD
+from celery_nats_leader.config.constants import BACKOFF_MAX_SECONDS, CIRCUIT_BREAKER_THRESHOLD
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryBucket, MemoryServer
 
 TTL = 0.6  # min(30 s, TTL) was the old cooldown: far below the 5-s backoff ceiling

@@ -7,9 +7,9 @@ import re
 import pytest
 
 from celery_nats_leader import ConfigError, ElectionConfig, FencingToken
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.errors import RecordFormatError
-from celery_nats_leader.record import decode_record, encode_record
-from celery_nats_leader.settings import LeaderSettings
+from celery_nats_leader.term.record import decode_record, encode_record
 
 
 def test_defaults_are_derived_from_ttl() -> None:

@@ -17,8 +17,8 @@ from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionS
 from celery_nats_leader.clock import ManualClock
 from celery_nats_leader.errors import BucketNotFoundError, ElectionStoppedError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
-from celery_nats_leader.record import decode_record, encode_record
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import decode_record, encode_record
+from celery_nats_leader.term.token import FencingToken
 
 TTL = 0.6
 

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 import pytest
 
 from celery_nats_leader import Election, ElectionConfig, ElectionState
-from celery_nats_leader import constants as c
 from celery_nats_leader.clock import ManualClock
+from celery_nats_leader.config import constants as c
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryBucket, MemoryServer
-from celery_nats_leader.record import decode_record, encode_record
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import decode_record, encode_record
+from celery_nats_leader.term.token import FencingToken
 
 # Long enough that no real-time timer of the election fires during a test:
 # only the manual clock and wake() move it.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from celery_nats_leader.config import resolve_health_check
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.errors import ConfigError
-from celery_nats_leader.settings import LeaderSettings
 
 #: Module-level checks for the dotted paths below.
 CALLS: list[str] = []

@@ -3,7 +3,8 @@
 * ``celery_nats_leader.nats`` is the only code that imports nats-py (the
   test helpers under ``testing/`` too go through it);
 * the core (everything but the Celery wiring ``worker/``, ``beat/``,
-  ``cli.py`` and the test helpers ``testing/``) imports neither Celery,
+  the ``celery nats-leader`` command ``ops/cli.py`` (and its old path
+  ``cli.py``) and the test helpers ``testing/``) imports neither Celery,
   kombu nor Django, and imports in a fresh interpreter where those cannot
   be imported at all;
 * only ``celery_nats_leader.nats`` speaks the JetStream API (``$JS.API``
@@ -34,8 +35,10 @@ PACKAGE = Path(celery_nats_leader.__file__).resolve().parent
 DJANGO_APP = Path(django_nats_leader.__file__).resolve().parent
 
 #: Subpackages and modules that are not the core (they wire Celery, or help tests);
-#: celery_compat.py is the Celery layer's one module of version differences.
-NOT_CORE = ("worker", "beat", "testing", "cli.py", "celery_compat.py")
+#: celery_compat.py is the Celery layer's one module of version differences, and
+#: ops/cli.py the Celery command (click, the app's configuration), re-exported
+#: at its old path cli.py.
+NOT_CORE = ("worker", "beat", "testing", "ops/cli.py", "cli.py", "celery_compat.py")
 
 #: Where nats-py may be imported.
 NATS_ALLOWED = ("nats",)
@@ -53,7 +56,12 @@ def package_files() -> list[Path]:
 
 
 def core_files() -> list[Path]:
-    return [p for p in package_files() if p.relative_to(PACKAGE).parts[0] not in NOT_CORE]
+    return [
+        p
+        for p in package_files()
+        if p.relative_to(PACKAGE).parts[0] not in NOT_CORE
+        and p.relative_to(PACKAGE).as_posix() not in NOT_CORE
+    ]
 
 
 def imported_top_levels(path: Path) -> Iterator[tuple[int, str]]:

@@ -18,8 +18,8 @@ from celery_nats_leader import DemoteReason, Election, ElectionConfig
 from celery_nats_leader.clock import ManualClock
 from celery_nats_leader.errors import BackendTimeoutError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryBucket, MemoryServer
-from celery_nats_leader.record import encode_record
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import encode_record
+from celery_nats_leader.term.token import FencingToken
 
 TTL = 1.0
 

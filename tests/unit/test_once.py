@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from celery_nats_leader.clock import ManualClock
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.errors import BackendTimeoutError, ConfigError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryBucket, MemoryServer
 from celery_nats_leader.recipes.once_guard import (
@@ -20,7 +21,6 @@ from celery_nats_leader.recipes.once_guard import (
     decode_once,
     once_key,
 )
-from celery_nats_leader.settings import LeaderSettings
 
 LEASE = 30.0
 RETENTION = 3600.0

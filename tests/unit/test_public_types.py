@@ -125,6 +125,15 @@ MOVED = [
     "celery_nats_leader.prometheus:PrometheusObserver"
     " -> celery_nats_leader.observe.prometheus:PrometheusObserver",
     "celery_nats_leader.ops.oneshot:run_once -> celery_nats_leader.ops.oneshot:run_sync",
+    "celery_nats_leader.cli:nats_leader -> celery_nats_leader.ops.cli:nats_leader",
+    "celery_nats_leader.settings:LeaderSettings"
+    " -> celery_nats_leader.config.settings:LeaderSettings",
+    "celery_nats_leader.constants:DEFAULT_TTL_SECONDS"
+    " -> celery_nats_leader.config.constants:DEFAULT_TTL_SECONDS",
+    "celery_nats_leader.config:ElectionConfig -> celery_nats_leader.config.election:ElectionConfig",
+    "celery_nats_leader.token:FencingToken -> celery_nats_leader.term.token:FencingToken",
+    "celery_nats_leader.record:LeaderRecord -> celery_nats_leader.term.record:LeaderRecord",
+    "celery_nats_leader.term:TermReader -> celery_nats_leader.term.current:TermReader",
     "celery_nats_leader.election.base:DemoteReason"
     " -> celery_nats_leader.election.vocabulary:DemoteReason",
     "celery_nats_leader.events:event_subject"

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from celery_nats_leader.backend import KVEntry, Operation
-from celery_nats_leader.record import encode_record
 from celery_nats_leader.term import Term, term_of
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import encode_record
+from celery_nats_leader.term.token import FencingToken
 
 TOKEN = "0f6b1d2e-5a1c-4c55-9e64-2b8f2c0e9a11"
 

@@ -20,6 +20,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.config import validate_bucket
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.ops.bucket import (
     BucketAction,
@@ -35,7 +36,6 @@ from celery_nats_leader.ops.bucket import (
 )
 from celery_nats_leader.ops.events import StreamInfo
 from celery_nats_leader.ops.oneshot import operator_name, with_backend
-from celery_nats_leader.settings import LeaderSettings
 from django_nats_leader import conf
 from django_nats_leader.management.common import EXIT_ERROR, EXIT_NO_LEADER, load_settings
 

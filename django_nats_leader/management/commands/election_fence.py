@@ -33,6 +33,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
+from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.errors import ElectionError
 from celery_nats_leader.ops.fence import (
     DEFAULT_HANDOVER_WAIT,
@@ -42,8 +43,7 @@ from celery_nats_leader.ops.fence import (
     wait_for_successor,
 )
 from celery_nats_leader.ops.oneshot import operator_name
-from celery_nats_leader.settings import LeaderSettings
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.token import FencingToken
 from django_nats_leader.management.common import (
     EXIT_ERROR,
     checked_role,

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from celery_nats_leader.backend import Bucket, KVEntry, Operation
 from celery_nats_leader.errors import ElectionError, RecordFormatError
 from celery_nats_leader.process_client import ProcessClient
-from celery_nats_leader.record import LeaderRecord, decode_record
-from celery_nats_leader.token import FencingToken
+from celery_nats_leader.term.record import LeaderRecord, decode_record
+from celery_nats_leader.term.token import FencingToken
 
 if TYPE_CHECKING:
     from celery_nats_leader.nats.connection import ConnectOptions

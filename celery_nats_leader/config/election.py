@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from celery_nats_leader import constants as c
+from celery_nats_leader.config import constants as c
 from celery_nats_leader.errors import ConfigError
 
 #: A health check: returns ``True`` when this process is fit to lead.
