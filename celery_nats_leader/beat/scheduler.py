@@ -31,7 +31,7 @@ import multiprocessing
 import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.beat import PersistentScheduler
 
@@ -313,12 +313,35 @@ class LeaderSchedulerMixin(LeaderPass):
 
         Raises:
             ElectionError: The election or the state bucket failed permanently.
+            SystemExit: The scheduler was closed by beat's stop signal (see
+                :meth:`_pass_after_close`).
 
         """
+        if self._closed:
+            self._pass_after_close()
+        try:
+            return self._pass()
+        except Exception:
+            if self._closed:
+                self._pass_after_close()
+            raise
+
+    def _pass_after_close(self) -> NoReturn:
+        # ``celery beat``'s SIGTERM handler closes the scheduler, then raises
+        # SystemExit wherever the main thread is. When that is inside a
+        # weakref callback or a __del__ (the garbage collector runs them at
+        # any allocation), Python prints "Exception ignored" and drops the
+        # SystemExit: the pass goes on, on a closed election (its pending
+        # KV request cancelled), and beat would fail with that error or,
+        # on the next pass, sleep on with nothing to do. Stop as the
+        # signal meant to (Service.start() ends on SystemExit).
+        raise SystemExit()
+
+    def _pass(self) -> float:
         election = self.nats_leader_election
         handle = election.handle
         dispatcher = self.nats_leader_dispatcher
-        if handle is None or dispatcher is None or self._closed:
+        if handle is None or dispatcher is None:
             return float(self.max_interval)
         token = handle.token
         if token is None:

@@ -10,6 +10,7 @@ exercised with real processes in the other test modules.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -433,6 +434,51 @@ def test_a_follower_tick_reads_and_writes_nothing(make: Any, server: MemoryServe
     assert state() == before, "a follower wrote schedule state"
     assert b.sent == [] and b.syncs == syncs and not b.should_sync()
     assert b.entry_states() == {}
+
+
+def test_a_pass_after_beats_stop_signal_ends_beat(make: Any, clock: ManualNow) -> None:
+    # celery beat's SIGTERM handler closes the scheduler, then raises
+    # SystemExit; Python drops that exception when the signal lands in a
+    # weakref callback or a __del__, and beat goes on ticking.
+    a = make("a")
+    assert a.tick() > 0
+    a.close()
+    with pytest.raises(SystemExit):
+        a.tick()
+    assert a.sent == []
+
+
+def test_a_pass_cut_short_by_beats_stop_signal_ends_beat(
+    make: Any, clock: ManualNow, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The signal closes the scheduler while its first pass opens the state
+    # bucket: the pending request is cancelled. Beat stops (as the signal
+    # meant), instead of failing with the cancelled request's error.
+    a = make("a")
+    dispatcher = a.nats_leader_dispatcher
+    assert dispatcher is not None
+
+    def closed_while_opening(token: Any) -> None:
+        a.close()
+        raise concurrent.futures.CancelledError()
+
+    monkeypatch.setattr(dispatcher, "begin_term", closed_while_opening)
+    with pytest.raises(SystemExit):
+        a.tick()
+    # The same error on an open scheduler is no stop signal: it is raised.
+    b = make("b")
+    b_dispatcher = b.nats_leader_dispatcher
+    assert b_dispatcher is not None
+
+    def cancelled(token: Any) -> None:
+        raise concurrent.futures.CancelledError()
+
+    monkeypatch.setattr(b_dispatcher, "begin_term", cancelled)
+    a_role = a.beat_role
+    assert a_role is None or not a_role.is_leader
+    assert b.beat_role is not None and b.beat_role.wait_for_leadership(5)
+    with pytest.raises(concurrent.futures.CancelledError):
+        b.tick()
 
 
 def test_each_tick_dispatched_once_with_its_identity(make: Any, clock: ManualNow) -> None:
