@@ -425,7 +425,12 @@ class Soak:
             "speed": 60,
             "max_interval": 0.2,
             "scheduler": "nats_leader",
-            "extra": {},
+            # Every missed tick caught up, whatever the gap: some faults
+            # (a blackhole, a re-created bucket) leave the role leaderless
+            # longer than the default catch-up window, after which beat
+            # deliberately coalesces (tests/beat/test_beat_catch_up.py);
+            # the soak checks that each tick runs exactly once.
+            "extra": {"beat_catch_up_window": float("inf")},
             # The soak inspects the worker to drain it before it stops.
             "remote_control": True,
         }
