@@ -61,7 +61,11 @@ def mypy_strict(source: str, tmp_path: Path, cache: Path) -> tuple[int, list[str
     finally:
         os.chdir(cwd)
     assert stderr == "", stderr
-    return status, [line.partition(": ")[2] for line in stdout.splitlines()]
+    # The user's module's lines only: a user's mypy does not report the
+    # package's own lines (installed, they are not checked), and its
+    # type: ignore comments for Celery and kombu differ with their versions.
+    ours = [line for line in stdout.splitlines() if line.startswith(str(module) + ":")]
+    return status, [line.partition(": ")[2] for line in ours]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +83,10 @@ def revealed(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
     ]
     errors = [line for line in lines if line.startswith("error:")]
     assert errors == [], errors
-    assert status == 0
+    # Exit status 1 can only come from the package's own lines then (see
+    # mypy_strict); 2 is mypy failing.
+    assert status in (0, 1)
+    assert len(notes) == 6, lines
     return notes
 
 
