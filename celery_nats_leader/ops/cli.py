@@ -646,7 +646,7 @@ def seed_beat(
         last_runs_from_redbeat,
         last_runs_from_shelve,
         seed_lines,
-        seed_schedule_state,
+        seed_with_settings,
     )
 
     settings = _settings(ctx)
@@ -666,20 +666,12 @@ def seed_beat(
         ctx.exit(EXIT_ERROR)
 
     try:
-        outcomes = with_backend(
+        outcomes = seed_with_settings(
             settings,
-            lambda backend: seed_schedule_state(
-                backend,
-                settings.beat_state_bucket,
-                settings.beat_role,
-                last_runs,
-                replace=replace,
-                create_bucket=settings.create_bucket,
-                replicas=settings.bucket_replicas,
-                timeout=timeout,
-            ),
+            last_runs,
+            replace=replace,
             timeout=timeout,
-            name=operator_name("celery nats-leader seed-beat"),
+            requester=operator_name("celery nats-leader seed-beat"),
         )
     except ElectionError as exc:
         click.echo(f"Error: cannot seed {settings.beat_state_bucket!r}: {exc}", err=True)

@@ -31,12 +31,16 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone, tzinfo
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery_nats_leader.backend import Backend, Bucket
 from celery_nats_leader.beat.state import EntryState, decode_state, encode_state, state_key
 from celery_nats_leader.beat.ticks import slot_text, to_utc
 from celery_nats_leader.errors import ConfigError, KeyExistsError, RevisionMismatchError
+from celery_nats_leader.ops.oneshot import with_backend
+
+if TYPE_CHECKING:
+    from celery_nats_leader.config.settings import LeaderSettings
 
 __all__ = [
     "SEED_WRITER",
@@ -47,6 +51,7 @@ __all__ = [
     "last_runs_from_shelve",
     "seed_lines",
     "seed_schedule_state",
+    "seed_with_settings",
 ]
 
 #: The ``by`` of a seeded state (its ``epoch`` is 0: no term wrote it).
@@ -306,6 +311,40 @@ async def seed_schedule_state(
     for last in last_runs:
         outcomes.append(await _seed_one(bucket, role, last, replace=replace, timeout=timeout))
     return outcomes
+
+
+def seed_with_settings(
+    settings: LeaderSettings,
+    last_runs: Iterable[LastRun],
+    *,
+    replace: bool,
+    timeout: float,
+    requester: str,
+) -> list[SeedOutcome]:
+    """Synchronous :func:`seed_schedule_state` into ``settings``' beat state bucket.
+
+    On a connection of its own (named ``requester``), as the CLI's
+    ``seed-beat`` and ``manage.py election_seed_beat`` run it.
+
+    Raises:
+        ElectionError: NATS unreachable, bucket missing, ...
+
+    """
+    return with_backend(
+        settings,
+        lambda backend: seed_schedule_state(
+            backend,
+            settings.beat_state_bucket,
+            settings.beat_role,
+            last_runs,
+            replace=replace,
+            create_bucket=settings.create_bucket,
+            replicas=settings.bucket_replicas,
+            timeout=timeout,
+        ),
+        timeout=timeout,
+        name=requester,
+    )
 
 
 async def _seed_one(

@@ -20,12 +20,12 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.errors import ElectionError
-from celery_nats_leader.ops.oneshot import operator_name, with_backend
+from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.ops.seed import (
     LastRun,
     last_runs_from_rows,
     seed_lines,
-    seed_schedule_state,
+    seed_with_settings,
 )
 from django_nats_leader.management.common import EXIT_ERROR, load_settings
 
@@ -65,20 +65,12 @@ class Command(BaseCommand):
         last_runs = periodic_task_last_runs()
 
         try:
-            outcomes = with_backend(
+            outcomes = seed_with_settings(
                 settings,
-                lambda backend: seed_schedule_state(
-                    backend,
-                    settings.beat_state_bucket,
-                    settings.beat_role,
-                    last_runs,
-                    replace=bool(options["replace"]),
-                    create_bucket=settings.create_bucket,
-                    replicas=settings.bucket_replicas,
-                    timeout=timeout,
-                ),
+                last_runs,
+                replace=bool(options["replace"]),
                 timeout=timeout,
-                name=operator_name("manage.py election_seed_beat"),
+                requester=operator_name("manage.py election_seed_beat"),
             )
         except ElectionError as exc:
             raise CommandError(
