@@ -9,6 +9,7 @@ are forwarded to listeners so elections can apply their disconnect grace.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
@@ -191,15 +192,22 @@ async def connect(
             note_refusal(client[0], exc)
 
     connect_timeout = float(kwargs.pop("connect_timeout", min(2.0, timeout)))
+    # (A float: nats-py's annotation says int, its wait_for takes either.)
+    kwargs["connect_timeout"] = connect_timeout
     kwargs.setdefault("reconnect_time_wait", 0.5)
     # Notice a dead TCP connection (no RST, no bytes) in seconds, not minutes.
     kwargs.setdefault("ping_interval", 5)
     kwargs.setdefault("max_outstanding_pings", 2)
+    # Our own client object rather than nats.connect()'s: when the first
+    # connection fails (a timeout, or a server that accepts TCP and never says
+    # hello), nats-py drops its half-open socket without closing it; closing the
+    # client gives it back now instead of at the next garbage collection.
+    nc = Client()
+    client.append(nc)  # so that closing it after a failure is not an outage
     try:
-        nc = await asyncio.wait_for(
-            nats.connect(
+        await asyncio.wait_for(
+            nc.connect(
                 servers=list(options.servers),
-                connect_timeout=connect_timeout,
                 max_reconnect_attempts=-1,
                 allow_reconnect=True,
                 pending_size=0,
@@ -211,14 +219,23 @@ async def connect(
             timeout,
         )
     except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+        await _close_quietly(nc)
         # A timeout's message is empty: never leave "within 10s: " dangling.
         reason = str(exc) or ("no answer" if isinstance(exc, asyncio.TimeoutError) else repr(exc))
         raise NatsUnavailableError(
             f"could not connect to NATS at {', '.join(options.servers)} within {timeout:g}s: "
             f"{reason}"
         ) from exc
-    client.append(nc)
+    except asyncio.CancelledError:
+        await _close_quietly(nc)  # the caller gave up (a stop during start-up)
+        raise
     return nc
+
+
+async def _close_quietly(nc: Client) -> None:
+    """Close a client whose first connection failed (its socket, its tasks)."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.close(), 1.0)
 
 
 async def open_backend(

@@ -153,3 +153,43 @@ def test_stop_from_another_thread_ends_a_required_start_that_is_retrying() -> No
         stopper.join(10)
     assert failed.is_set()
     assert not elector.loop.is_running
+
+
+async def test_a_server_that_never_says_hello_costs_no_socket() -> None:
+    # A listener that accepts the TCP connection and never sends INFO (a
+    # half-started server, a wrong port behind a proxy): every attempt ends in
+    # NatsUnavailableError within its timeout, and gives its socket back.
+    import asyncio
+    import os
+    import time
+
+    from celery_nats_leader.nats.connection import ConnectOptions, connect
+
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    options = ConnectOptions(servers=(f"nats://127.0.0.1:{port}",))
+    before = len(os.listdir("/proc/self/fd"))
+    tasks_before = len(asyncio.all_tasks())
+    for timeout in (1.0, 3.0):
+        started = time.monotonic()
+        with pytest.raises(NatsUnavailableError, match="could not connect"):
+            await connect(options, timeout=timeout)
+        assert time.monotonic() - started < timeout + 1.0
+    # Our side of every accepted connection is closed: closing the listener's
+    # side leaves nothing of them open in this process.
+    assert len(accepted) >= 2
+    for writer in accepted:
+        writer.close()
+    server.close()
+    await server.wait_closed()
+    for _ in range(50):  # the transports close on the loop's next iterations
+        if len(os.listdir("/proc/self/fd")) <= before - 1:
+            break
+        await asyncio.sleep(0.02)
+    assert len(os.listdir("/proc/self/fd")) == before - 1  # the listener's own socket
+    assert len(asyncio.all_tasks()) == tasks_before
