@@ -4,7 +4,9 @@ Callbacks run one at a time, in the order their events happened, on a task
 of their own: never under a lock and never on the election's critical path.
 Synchronous callbacks run on a dedicated worker thread so that a blocking
 one cannot freeze the event loop (and with it the renewals). A callback
-that raises is logged and the next one runs.
+that raises is logged and the next one runs. A callback that has not
+returned after :data:`SLOW_CALLBACK_WARNING` seconds is logged (again at each
+doubling), since every callback after it waits for it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 Callback = Callable[..., Any]
+
+#: Seconds after which a callback still running is logged at WARNING.
+SLOW_CALLBACK_WARNING = 30.0
 
 
 async def _nothing() -> None:
@@ -92,11 +97,13 @@ class CallbackRunner:
 
     Args:
         name: Used for the worker thread's name and in log messages.
+        slow_warning: Seconds after which a callback still running is logged.
 
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, slow_warning: float = SLOW_CALLBACK_WARNING) -> None:
         self._name = name
+        self._slow_warning = slow_warning
         self._queue: asyncio.Queue[tuple[list[Callback], tuple[Any, ...], asyncio.Future[None]]]
         self._task: asyncio.Task[None] | None = None
         self._executor: DaemonExecutor | None = None
@@ -131,18 +138,46 @@ class CallbackRunner:
             callbacks, args, done = await self._queue.get()
             for callback in callbacks:
                 try:
-                    if inspect.iscoroutinefunction(callback):
-                        await callback(*args)
-                    else:
-                        result = await loop.run_in_executor(self._executor, callback, *args)
-                        if inspect.isawaitable(result):
-                            await result
+                    await self._watched(
+                        loop.create_task(self._call(loop, callback, args)), callback
+                    )
                 except asyncio.CancelledError:
                     raise
                 except Exception:
                     logger.exception("%s: callback %r raised", self._name, callback)
             if not done.done():
                 done.set_result(None)
+
+    async def _call(
+        self, loop: asyncio.AbstractEventLoop, callback: Callback, args: tuple[Any, ...]
+    ) -> None:
+        if inspect.iscoroutinefunction(callback):
+            await callback(*args)
+            return
+        result = await loop.run_in_executor(self._executor, callback, *args)
+        if inspect.isawaitable(result):
+            await result
+
+    async def _watched(self, call: asyncio.Task[None], callback: Callback) -> None:
+        """Await ``call``, saying so when it runs long: later callbacks wait for it."""
+        waited, limit = 0.0, self._slow_warning
+        try:
+            while True:
+                await asyncio.wait({call}, timeout=limit - waited)
+                if call.done():
+                    return call.result()
+                waited = limit
+                logger.warning(
+                    "%s: callback %r still running after %gs; the callbacks after it "
+                    "wait for it (they run in order)",
+                    self._name,
+                    callback,
+                    waited,
+                )
+                limit *= 2
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
 
     async def stop(self, timeout: float | None = None) -> None:
         """Let queued callbacks finish (for at most ``timeout`` seconds), then stop.
