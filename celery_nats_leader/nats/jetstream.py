@@ -472,6 +472,7 @@ class JetStreamBackend:
         self.owns_connection = owns_connection
         self._watches: dict[str, _SharedWatch] = {}
         self._rewatch_task: asyncio.Task[None] | None = None
+        self._rewatch_pending = False
 
     def reconnected(self) -> None:
         """The connection is back: restart every shared watch.
@@ -487,11 +488,20 @@ class JetStreamBackend:
         """
         if not self._watches:
             return
-        if self._rewatch_task is not None:
-            self._rewatch_task.cancel()
-        self._rewatch_task = asyncio.get_running_loop().create_task(
-            self._rewatch(), name="kv-rewatch"
-        )
+        # One task restarts the watches. A reconnect during its pass asks for
+        # another pass instead of cancelling it: a cancel that lands inside
+        # watch_all() would leave the watch being created running, owned by
+        # nobody, and every entry would then be dispatched twice.
+        self._rewatch_pending = True
+        if self._rewatch_task is None or self._rewatch_task.done():
+            self._rewatch_task = asyncio.get_running_loop().create_task(
+                self._rewatch_passes(), name="kv-rewatch"
+            )
+
+    async def _rewatch_passes(self) -> None:
+        while self._rewatch_pending:
+            self._rewatch_pending = False
+            await self._rewatch()
 
     async def _rewatch(self) -> None:
         for name, shared in list(self._watches.items()):

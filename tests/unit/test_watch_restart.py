@@ -1,0 +1,70 @@
+"""Restarting the shared KV watch after reconnects: never two watches of a bucket.
+
+Logic only (a stand-in bucket whose watch takes a while to start); the restart
+itself against a real server that restarts is in tests/integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from celery_nats_leader.nats.jetstream import JetStreamBackend
+
+
+class Connection:
+    """What the backend reads of a nats-py client here."""
+
+    is_connected = True
+    is_closed = False
+
+    def jetstream(self, timeout: float) -> None:
+        return None
+
+
+class SlowBucket:
+    """A bucket whose watch exists on the server as soon as its start begins."""
+
+    name = "leaders"
+
+    def __init__(self) -> None:
+        self.live = 0  # watches started and not stopped
+        self.starts = 0
+        self.entered = asyncio.Event()
+        self.finish = asyncio.Event()
+        self.finish.set()
+
+    async def watch_all(self, callback: Callable[[Any], None]) -> Callable[[], Awaitable[None]]:
+        self.starts += 1
+        self.live += 1
+        self.entered.set()
+        await self.finish.wait()
+
+        async def stop() -> None:
+            self.live -= 1
+
+        return stop
+
+
+async def test_a_reconnect_during_a_restart_leaves_one_watch() -> None:
+    backend = JetStreamBackend(Connection())  # type: ignore[arg-type]
+    bucket = SlowBucket()
+    await backend.shared_watch(bucket)  # type: ignore[arg-type]
+    assert (bucket.starts, bucket.live) == (1, 1)
+
+    bucket.finish.clear()
+    bucket.entered.clear()
+    backend.reconnected()
+    await bucket.entered.wait()  # the restart is inside watch_all()
+    backend.reconnected()  # and the connection drops and comes back again
+    backend.reconnected()
+    bucket.finish.set()
+    task = backend._rewatch_task
+    assert task is not None
+    await asyncio.wait_for(task, 5)
+
+    # The first restart finished, then one more pass ran for the reconnects
+    # that came during it; each replaced the watch before it.
+    assert bucket.starts == 3
+    assert bucket.live == 1
