@@ -19,7 +19,7 @@ from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.election import DemoteReason, ElectionState
 from celery_nats_leader.elector import Elector, RoleHandle
-from celery_nats_leader.errors import ElectionError
+from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.term.record import LeaderRecord
 from celery_nats_leader.term.token import FencingToken
 
@@ -67,6 +67,17 @@ class BeatElection:
         make_elector: Callable[[], Elector],
         watch: Callable[[Elector], None] | None = None,
     ) -> None:
+        if config.strategy != "kv":
+            # Workers check each beat message's epoch against the role's KV
+            # key (the dispatch fence); an ALLCALL election writes no key, so that
+            # check would pass every message of an ended term.
+            raise ConfigError(
+                f"the beat role {config.role!r} is elected with the {config.strategy!r} "
+                "strategy; beat needs 'kv' (workers fence its messages by the role's KV key, "
+                "which an ALLCALL election does not write). Set "
+                f"nats_leader_role_options={{{config.role!r}: {{'strategy': 'kv'}}}}, "
+                "or nats_leader_strategy='kv'"
+            )
         self.settings = settings
         self.config = config
         self._make_elector = make_elector

@@ -745,6 +745,28 @@ def test_unreachable_nats_with_required_stops_beat_loudly(tmp_path: Path) -> Non
         LeaderScheduler(app=app, schedule_filename=str(tmp_path / "s"), max_interval=1)
 
 
+def test_an_allcall_beat_role_is_refused_with_the_setting_that_fixes_it(tmp_path: Path) -> None:
+    # Workers fence beat's messages by the role's KV key, which ALLCALL does not write.
+    app = Celery("allcall", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        nats_leader_servers="nats://127.0.0.1:1",
+        nats_leader_strategy="allcall",
+    )
+    with pytest.raises(ConfigError) as refused:
+        LeaderScheduler(app=app, schedule_filename=str(tmp_path / "s"), max_interval=1)
+    assert str(refused.value) == (
+        "the beat role 'beat' is elected with the 'allcall' strategy; beat needs 'kv' "
+        "(workers fence its messages by the role's KV key, which an ALLCALL election does "
+        "not write). Set nats_leader_role_options={'beat': {'strategy': 'kv'}}, or "
+        "nats_leader_strategy='kv'"
+    )
+    # The setting it names gives the beat role the KV strategy, the others keep ALLCALL.
+    fixed = LeaderSettings(strategy="allcall", role_options={"beat": {"strategy": "kv"}})
+    assert fixed.election_config("beat").strategy == "kv"
+    assert fixed.election_config("reports").strategy == "allcall"
+
+
 def test_dispatch_check_without_io_for_unfenced_and_malformed() -> None:
     app = Celery("check", set_as_current=False)
 
