@@ -21,9 +21,11 @@ import pytest
 from nats.aio.client import Client
 
 from celery_nats_leader import DemoteReason, ElectionConfig, Elector
+from celery_nats_leader.beat.fence import DispatchFence
 from celery_nats_leader.config.constants import RESIGN_VERB
 from celery_nats_leader.election.base import control_subject
 from celery_nats_leader.errors import NotLeaderError
+from celery_nats_leader.nats.connection import ConnectOptions
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.ops.fence import DEFAULT_HANDOVER_WAIT, fence_leader
 from celery_nats_leader.term.record import decode_record, encode_record
@@ -305,3 +307,46 @@ async def test_a_leader_that_releases_while_its_answer_is_late_is_reported_as_ha
         revision,
     )
     assert outcome.revision == released[0] > revision
+
+
+async def test_beat_messages_of_a_fenced_term_are_refused_before_a_successor_leads(
+    slow_group: CandidateGroup, fence_bucket: str, operator: Client, nats_server: NatsServer
+) -> None:
+    """The workers' dispatch fence reads the marker as a newer term, with nobody leading yet.
+
+    A term that ended without a newer one (its leader resigned: a delete) is not
+    refused: no newer term began (invariant 2), the queued ticks of a clean stop
+    still run, and a successor's re-send of a tick is stopped by the once-guard.
+    """
+    group = slow_group
+    group.spawn("a")
+    first = await in_thread(group.wait_for, "promoted", {"a"}, timeout=FENCE_TTL + SLACK)
+    fence = DispatchFence(ConnectOptions(servers=(nats_server.url,)), fence_bucket)
+    try:
+        assert (await in_thread(fence.check, ROLE, first["epoch"])).ok
+
+        # Resigned (its key deleted), nobody leads: its messages still run.
+        await in_thread(group.resign, "a")
+        vacant = await in_thread(fence.check, ROLE, first["epoch"])
+        assert (vacant.ok, vacant.current_epoch) == (True, None)
+
+        # The next term, b's, is fenced while b is paused, with nobody to
+        # succeed it (a, which would retake the role after a TTL, is gone).
+        group.spawn("b")
+        second = await in_thread(group.wait_for, "promoted", {"b"}, timeout=FENCE_TTL + SLACK)
+        await in_thread(group["b"].pause)
+        group["a"].kill()
+        outcome = await fence_leader(
+            JetStreamBackend(operator), fence_bucket, ROLE, requester="test", handover_wait=0
+        )
+        assert outcome.successor is None  # nobody leads: the marker holds the key
+        refused = await in_thread(fence.check, ROLE, second["epoch"])
+        assert (refused.ok, refused.certain) == (False, True)
+        assert refused.current_epoch == outcome.revision > second["epoch"]
+        assert refused.reason == (
+            f"dispatched under epoch {second['epoch']}; the current term is {outcome.revision}"
+        )
+        await in_thread(group["b"].resume)
+        await in_thread(group.wait_for, "demoted", {"b"}, timeout=5)
+    finally:
+        await in_thread(fence.reader.close)
