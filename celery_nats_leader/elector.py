@@ -32,8 +32,8 @@ from celery_nats_leader.election import (
     PromoteCallback,
 )
 from celery_nats_leader.election.interface import LeaderElection, new_election
+from celery_nats_leader.election.leader_services import LeaderServiceRunner, ServiceFunction
 from celery_nats_leader.election.observer import ElectionObserver
-from celery_nats_leader.election.services import LeaderServiceRunner, ServiceFunction
 from celery_nats_leader.errors import (
     ConfigError,
     ElectionError,
@@ -170,7 +170,7 @@ class RoleHandle:
         after ``ctx.stopped`` turns true (``ctx.wait(seconds)`` sleeps and
         wakes at the end of the term); a coroutine function runs on the
         elector's loop and is cancelled (it must never block). See
-        :mod:`celery_nats_leader.election.services`.
+        :mod:`celery_nats_leader.election.leader_services`.
 
         Args:
             service: ``service(ctx)``; ``ctx.token`` is the term's fencing token.

@@ -14,7 +14,7 @@
   wire format (plain publish/subscribe, no JetStream).
 * :mod:`.health`, :mod:`.callbacks`, :mod:`.observer`: health-check demotion,
   running user callbacks, and the metrics hooks.
-* :mod:`.services`: leader services, code that runs only while leading.
+* :mod:`.leader_services`: leader services, code that runs only while leading.
 * :mod:`.trail`: the event trail, each transition published in order.
 
 The state machines talk to NATS only through a

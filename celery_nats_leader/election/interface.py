@@ -11,7 +11,11 @@ from typing import Any, Protocol
 
 from celery_nats_leader.backend import Backend
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.election.services import LeaderServiceRunner, LeadingScope, ServiceFunction
+from celery_nats_leader.election.leader_services import (
+    LeaderServiceRunner,
+    LeadingScope,
+    ServiceFunction,
+)
 from celery_nats_leader.election.vocabulary import (
     DemoteCallback,
     ElectionState,

@@ -189,7 +189,7 @@ async def test_raising_service_is_restarted_while_leading(
             raise RuntimeError("upstream down")
         await asyncio.Event().wait()
 
-    monkeypatch.setattr("celery_nats_leader.election.services._FIRST_RESTART_DELAY", 0.02)
+    monkeypatch.setattr("celery_nats_leader.election.leader_services._FIRST_RESTART_DELAY", 0.02)
     a, _ = make("a")
     runner = a.run_while_leading(flaky)
     await a.start()

@@ -1,11 +1,11 @@
-"""The leader election service of a Celery worker (what the bootstep runs).
+"""The leader election of a Celery worker (what the bootstep runs).
 
-One :class:`LeaderService` per worker, in the worker's main process:
+One :class:`WorkerElection` per worker, in the worker's main process:
 
 * one :class:`~celery_nats_leader.elector.Elector` (one event-loop thread, one
   NATS connection) campaigning for ``nats_leader_roles``;
 * the shared-memory slots through which prefork children learn the term
-  (:mod:`celery_nats_leader.worker.state`), kept current from the elector's
+  (:mod:`celery_nats_leader.worker.shared_leadership`), kept current from the elector's
   own loop at every state change and renewal;
 * the :class:`LeaderQueueController`, which makes the consumer read a role's
   leader queue only while this worker leads the role;
@@ -27,18 +27,18 @@ from typing import TYPE_CHECKING, Any
 
 from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.election import DemoteReason, ElectionState
+from celery_nats_leader.election.leader_services import LeaderServiceRunner
 from celery_nats_leader.election.observer import ElectionObserver
-from celery_nats_leader.election.services import LeaderServiceRunner
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.observe.probes import ProbeServer
 from celery_nats_leader.term.token import FencingToken
-from celery_nats_leader.worker import state as worker_state
+from celery_nats_leader.worker import shared_leadership
 from celery_nats_leader.worker.beat_once import guard_beat_ticks
 from celery_nats_leader.worker.broker_wake import wake_consumer
 from celery_nats_leader.worker.leader_services import on_own_thread, registered_services
+from celery_nats_leader.worker.shared_leadership import SharedLeadership, WorkerLeadership
 from celery_nats_leader.worker.signals import leader_demoted, leader_promoted
-from celery_nats_leader.worker.state import SharedLeadership, WorkerLeadership
 from celery_nats_leader.worker.tasks import leader_tasks, upgrade_tasks
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 ERROR_REPEAT_SECONDS = 30.0
 
 
-class LeaderService:
+class WorkerElection:
     """Runs the election of one worker and wires it into the worker.
 
     Build it before the pool forks (the shared slots must be inherited), start
@@ -124,7 +124,7 @@ class LeaderService:
             connection=settings.connection,
             request_timeouts={r: h.config.request_timeout for r, h in self._handles.items()},
         )
-        worker_state.install(self._leadership)
+        shared_leadership.install(self._leadership)
 
     def _add_services(self, app: Any, settings: LeaderSettings) -> list[LeaderServiceRunner]:
         """Register the app's leader services with their roles' elections."""
@@ -310,8 +310,8 @@ class LeaderService:
         self.shared.clear_all()
         # A stopped service leaves no election behind: checks in this process
         # then say that none runs, not that this worker skips the role.
-        if worker_state.current() is self._leadership:
-            worker_state.install(None)
+        if shared_leadership.current() is self._leadership:
+            shared_leadership.install(None)
         if self.probes is not None:
             self.probes.close()
 
@@ -427,7 +427,7 @@ class LeaderService:
 class _ServiceObserver:
     """Publishes each state change to the shared slots, then feeds metrics."""
 
-    def __init__(self, service: LeaderService, downstream: ElectionObserver | None) -> None:
+    def __init__(self, service: WorkerElection, downstream: ElectionObserver | None) -> None:
         self._service = service
         self._downstream = downstream
 

@@ -10,7 +10,7 @@ forks (:class:`SharedLeadership`); children read it.
 The lease deadline is a :func:`time.monotonic` reading, i.e. ``CLOCK_MONOTONIC``
 on Linux, which is one clock for the whole host, so a child may compare it with
 its own clock. The parent publishes a deadline never later than its own (see
-:meth:`LeaderService.publish <celery_nats_leader.worker.service.LeaderService.publish>`),
+:meth:`WorkerElection.publish <celery_nats_leader.worker.election.WorkerElection.publish>`),
 so a child never believes in a term longer than the parent does: if the parent
 freezes or dies, its children stop starting leader-only work when the lease
 runs out, before any successor can be elected.
