@@ -1,7 +1,7 @@
 """The synchronous facade: many roles, one loop thread, one NATS connection.
 
 Celery workers, celery beat and Django management commands use this; asyncio
-programs can use :class:`~celery_nats_leader.election.Election` directly.
+programs can use :class:`~celery_nats_leader.election.KvElection` directly.
 
 Example::
 
@@ -118,7 +118,7 @@ class RoleHandle:
         return self.election.error
 
     def validate_token(self, timeout: float | None = None) -> bool:
-        """Confirm the token against the store (one KV read); see :meth:`Election.validate_token`.
+        """Confirm the token against the store (one KV read); see :meth:`KvElection.validate_token`.
 
         Args:
             timeout: Seconds to wait; default twice the request timeout.
@@ -208,7 +208,7 @@ class RoleHandle:
         return self.election.on_error(callback)
 
     def describe(self) -> dict[str, Any]:
-        """This candidate's view of the role (see :meth:`Election.describe`)."""
+        """This candidate's view of the role (see :meth:`KvElection.describe`)."""
         return self.election.describe()
 
 

@@ -7,7 +7,8 @@
   implements, and :func:`new_election`, which builds the configured one.
 * :mod:`.base`: :class:`~.base.BaseElection`, the plumbing both strategies
   share (callbacks, start/teardown, control requests).
-* :mod:`.kv`: :class:`Election`, the JetStream KV strategy (the default),
+* :mod:`.kv`: :class:`KvElection`, the JetStream KV strategy (the default;
+  ``Election`` remains its alias),
   with :mod:`.follower_view` (what a follower saw, and when to act) and
   :mod:`.roster` (the candidates it knows, and its place in line).
 * :mod:`.allcall` and :mod:`.allcall_protocol`: the ALLCALL strategy and its
@@ -24,7 +25,7 @@ The state machines talk to NATS only through a
 from __future__ import annotations
 
 from celery_nats_leader.election.interface import LeaderElection, new_election
-from celery_nats_leader.election.kv import Election
+from celery_nats_leader.election.kv import Election, KvElection
 from celery_nats_leader.election.vocabulary import (
     DemoteCallback,
     DemoteReason,
@@ -41,6 +42,7 @@ __all__ = [
     "Election",
     "ElectionState",
     "ErrorCallback",
+    "KvElection",
     "LeaderChangeCallback",
     "LeaderElection",
     "PromoteCallback",

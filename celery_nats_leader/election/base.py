@@ -12,7 +12,7 @@ main loop, connecting, tearing down, failing loudly, health checks, resign and
 takeover requests.
 
 Each strategy subclasses it and supplies the algorithm:
-:class:`~celery_nats_leader.election.Election` (the KV strategy) and
+:class:`~celery_nats_leader.election.KvElection` (the KV strategy) and
 :class:`~celery_nats_leader.election.allcall.AllcallElection` (ALLCALL). What they
 must provide is abstract here: :meth:`~BaseElection.start`,
 :meth:`~BaseElection.stop`, :meth:`~BaseElection.validate_token`,

@@ -17,7 +17,7 @@ queue, which a slow user callback could hold up). And
 :attr:`LeaderContext.stopped` also reads the lease deadline on the monotonic
 clock, so a service that checks it before each unit of work sees the end of
 the term on time even when the event loop is late (a paused and resumed
-process): the same guarantee :attr:`Election.is_leader
+process): the same guarantee :attr:`KvElection.is_leader
 <celery_nats_leader.election.base.BaseElection.is_leader>` gives.
 
 Safety (see docs/design.md): on a graceful hand-over (stop, resign) the

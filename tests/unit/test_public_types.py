@@ -145,6 +145,9 @@ MOVED = [
     " -> celery_nats_leader.election.vocabulary:DemoteReason",
     "celery_nats_leader.events:event_subject"
     " -> celery_nats_leader.election.vocabulary:event_subject",
+    "celery_nats_leader:Election -> celery_nats_leader.election.kv:KvElection",
+    "celery_nats_leader.election:Election -> celery_nats_leader.election.kv:KvElection",
+    "celery_nats_leader.election.kv:Election -> celery_nats_leader.election.kv:KvElection",
 ]
 
 
