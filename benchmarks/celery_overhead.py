@@ -40,8 +40,8 @@ from celery_nats_leader.loop_thread import EventLoopThread
 from celery_nats_leader.nats import ConnectOptions, open_backend
 from celery_nats_leader.term.record import encode_record
 from celery_nats_leader.testing import NatsServer
-from celery_nats_leader.worker import state as worker_state
-from celery_nats_leader.worker.service import LeaderService
+from celery_nats_leader.worker import shared_leadership
+from celery_nats_leader.worker.election import WorkerElection
 from celery_nats_leader.worker.tasks import LeaderOptions, _Binding, _run_guarded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,11 +87,11 @@ def check_overhead(url: str, quick: bool) -> list[tuple[str, float]]:
         nats_leader_create_bucket=True,
         nats_leader_required=True,  # start() waits for the connection
     )
-    service = LeaderService(app, LeaderSettings.from_celery(app.conf))
+    service = WorkerElection(app, LeaderSettings.from_celery(app.conf))
     service.start()
     try:
         assert service.handle(ROLE).wait_for_leadership(10), "did not win the role"
-        check = worker_state.check_leadership
+        check = shared_leadership.check_leadership
         rows = [("cached check, main process (threads, solo)", per_call_us(lambda: check(ROLE), n))]
 
         binding = _Binding(LeaderOptions(ROLE), ROLE, "nats_leader." + ROLE)

@@ -110,7 +110,7 @@ def crash_failover(
 def graceful_handoff(
     url: str, runs: int, candidates: int = 10, ttl: float = 5.0
 ) -> tuple[list[float], float]:
-    """SIGTERM the leader (Election.stop()); time until a successor's promote."""
+    """SIGTERM the leader (KvElection.stop()); time until a successor's promote."""
     samples: list[float] = []
     with _group(url, "handoff", ttl) as group:
         _start(group, candidates)

@@ -1,7 +1,7 @@
 """Fencing a frozen leader: from the fence command to the successor's promotion.
 
 Each run: three candidate processes, the leader frozen with SIGSTOP, then
-:func:`~celery_nats_leader.ops.fence.fence_leader` from this process. The
+:func:`~celery_nats_leader.ops.fence_leader.fence_leader` from this process. The
 time is from just before the fence call to the successor's own ``promoted``
 event (the children print ``time.monotonic()``, the same clock on one host).
 Prints a markdown table. Run: ``python benchmarks/fence.py [--runs N]``.
@@ -18,7 +18,7 @@ import time
 
 from celery_nats_leader.nats.connection import ConnectOptions, connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend
-from celery_nats_leader.ops.fence import fence_leader
+from celery_nats_leader.ops.fence_leader import fence_leader
 from celery_nats_leader.testing import CandidateGroup, NatsServer
 
 BUCKET, ROLE, TTL = "bench_fence", "job", 10.0

@@ -11,7 +11,7 @@ tests start it) and each N, at the default TTL:
   of ``/varz`` ``cpu`` sampled each second, and the process's CPU time from
   ``/proc``), and ``/connz`` connections;
 * crash failover: SIGKILL of the leader's process to a successor's promote;
-* graceful hand-over: ``Election.stop()`` of the leader to a successor's promote;
+* graceful hand-over: ``KvElection.stop()`` of the leader to a successor's promote;
 * a rolling restart of all N, one at a time (graceful stop, start on a new
   connection, wait until it follows): how many times leadership moved, against
   how many times the restarted candidate was the leader.
@@ -54,7 +54,7 @@ from typing import Any
 import nats
 from nats.js.api import KeyValueConfig
 
-from celery_nats_leader import Election, ElectionConfig
+from celery_nats_leader import ElectionConfig, KvElection
 from celery_nats_leader.config.constants import DEFAULT_TTL_SECONDS
 from celery_nats_leader.nats import ConnectOptions
 from celery_nats_leader.testing import NatsCluster, NatsServer, binary_version, server_binary
@@ -79,13 +79,13 @@ async def _host(urls: list[str], ids: list[str], ttl: float, priority: int) -> N
     Commands: ``start`` (all), ``stop ID``, ``start ID``, ``restart ID [PRIORITY]``.
     Events: ``up``, ``ready``, ``promoted``, ``demoted``, ``stopping``, ``stopped``.
     """
-    elections: dict[str, Election] = {}
+    elections: dict[str, KvElection] = {}
 
     async def start(name: str, priority: int = priority) -> None:
         config = ElectionConfig(
             role=ROLE, bucket=BUCKET, instance_id=name, ttl=ttl, priority=priority
         )
-        election = Election(config, connect_options=ConnectOptions(servers=tuple(urls)))
+        election = KvElection(config, connect_options=ConnectOptions(servers=tuple(urls)))
 
         @election.on_promote
         async def _promoted(token: Any) -> None:

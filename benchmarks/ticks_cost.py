@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from celery_nats_leader.beat.dispatcher import Tick, TickDispatcher
-from celery_nats_leader.beat.state import EntryState, ScheduleStateStore
+from celery_nats_leader.beat.schedule_store import EntryState, ScheduleStateStore
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.elector import Elector

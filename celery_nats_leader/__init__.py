@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.election import DemoteReason, Election, ElectionState
+from celery_nats_leader.election import DemoteReason, Election, ElectionState, KvElection
 from celery_nats_leader.election.interface import LeaderElection, new_election
+from celery_nats_leader.election.leader_services import LeaderContext, LeadingScope
 from celery_nats_leader.election.observer import ElectionObserver
-from celery_nats_leader.election.services import LeaderContext, LeadingScope
 from celery_nats_leader.elector import Elector, RoleHandle
 from celery_nats_leader.errors import (
     BackendError,
@@ -98,6 +98,7 @@ __all__ = [
     "Elector",
     "FencingToken",
     "JetStreamUnavailableError",
+    "KvElection",
     "LeaderContext",
     "LeaderElection",
     "LeaderRecord",

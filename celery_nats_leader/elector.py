@@ -1,7 +1,7 @@
 """The synchronous facade: many roles, one loop thread, one NATS connection.
 
 Celery workers, celery beat and Django management commands use this; asyncio
-programs can use :class:`~celery_nats_leader.election.Election` directly.
+programs can use :class:`~celery_nats_leader.election.KvElection` directly.
 
 Example::
 
@@ -32,8 +32,8 @@ from celery_nats_leader.election import (
     PromoteCallback,
 )
 from celery_nats_leader.election.interface import LeaderElection, new_election
+from celery_nats_leader.election.leader_services import LeaderServiceRunner, ServiceFunction
 from celery_nats_leader.election.observer import ElectionObserver
-from celery_nats_leader.election.services import LeaderServiceRunner, ServiceFunction
 from celery_nats_leader.errors import (
     ConfigError,
     ElectionError,
@@ -118,7 +118,7 @@ class RoleHandle:
         return self.election.error
 
     def validate_token(self, timeout: float | None = None) -> bool:
-        """Confirm the token against the store (one KV read); see :meth:`Election.validate_token`.
+        """Confirm the token against the store (one KV read); see :meth:`KvElection.validate_token`.
 
         Args:
             timeout: Seconds to wait; default twice the request timeout.
@@ -170,7 +170,7 @@ class RoleHandle:
         after ``ctx.stopped`` turns true (``ctx.wait(seconds)`` sleeps and
         wakes at the end of the term); a coroutine function runs on the
         elector's loop and is cancelled (it must never block). See
-        :mod:`celery_nats_leader.election.services`.
+        :mod:`celery_nats_leader.election.leader_services`.
 
         Args:
             service: ``service(ctx)``; ``ctx.token`` is the term's fencing token.
@@ -208,7 +208,7 @@ class RoleHandle:
         return self.election.on_error(callback)
 
     def describe(self) -> dict[str, Any]:
-        """This candidate's view of the role (see :meth:`Election.describe`)."""
+        """This candidate's view of the role (see :meth:`KvElection.describe`)."""
         return self.election.describe()
 
 

@@ -2,7 +2,7 @@
 
 Synchronous code outside the election needs NATS too: a prefork child
 validating a token for ``@leader_only(validate=True)`` and reading the beat
-term for :class:`~celery_nats_leader.beat.fence.FencedBeatTask`, the
+term for :class:`~celery_nats_leader.beat.dispatch_fence.FencedBeatTask`, the
 once-guard claiming a task id, any :class:`~celery_nats_leader.term.TermReader`.
 They all go through :class:`ProcessClient`: per process and per connection
 settings, one daemon event-loop thread and one NATS connection (opened at

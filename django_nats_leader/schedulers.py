@@ -28,7 +28,7 @@ from typing import Any
 from django_celery_beat.schedulers import DatabaseScheduler
 
 from celery_nats_leader.beat import LeaderSchedulerMixin
-from celery_nats_leader.beat.state import EntryState
+from celery_nats_leader.beat.schedule_store import EntryState
 from celery_nats_leader.config.settings import LeaderSettings
 
 __all__ = ["LeaderDatabaseScheduler"]

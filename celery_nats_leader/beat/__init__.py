@@ -38,8 +38,8 @@ The package, one part per module:
 * :mod:`~celery_nats_leader.beat.ticks`: tick identity and planning (no Celery);
 * :mod:`~celery_nats_leader.beat.agenda`: when to ask each entry again (no Celery);
 * :mod:`~celery_nats_leader.beat.metrics`: per-entry tick counters (no Celery);
-* :mod:`~celery_nats_leader.beat.state`: the entries' state in KV (no Celery);
-* :mod:`~celery_nats_leader.beat.fence`: the worker-side check of the term.
+* :mod:`~celery_nats_leader.beat.schedule_store`: the entries' state in KV (no Celery);
+* :mod:`~celery_nats_leader.beat.dispatch_fence`: the worker-side check of the term.
 
 The Celery names below are imported on first use, so the parts that import
 no Celery can be imported without it.
@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 from celery_nats_leader.beat.ticks import tick_task_id
 
 if TYPE_CHECKING:
-    from celery_nats_leader.beat.fence import (
+    from celery_nats_leader.beat.dispatch_fence import (
         DISPATCHER_HEADER,
         ENTRY_HEADER,
         EPOCH_HEADER,
@@ -90,7 +90,7 @@ __all__ = [
 ]
 
 _SCHEDULER = "celery_nats_leader.beat.scheduler"
-_FENCE = "celery_nats_leader.beat.fence"
+_FENCE = "celery_nats_leader.beat.dispatch_fence"
 
 #: Names that import Celery, by the module that defines them.
 _LAZY = {

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from celery_nats_leader.beat.state import EntryState
+from celery_nats_leader.beat.schedule_store import EntryState
 from celery_nats_leader.beat.ticks import slot_text, to_utc
 from celery_nats_leader.errors import (
     BackendTimeoutError,
@@ -74,7 +74,7 @@ class Lease(Protocol):
 
 
 class StateStore(Protocol):
-    """Where entry states live (a :class:`~celery_nats_leader.beat.state.ScheduleStateStore`)."""
+    """Where entry states live (a :class:`~.schedule_store.ScheduleStateStore`)."""
 
     @property
     def bucket_name(self) -> str:

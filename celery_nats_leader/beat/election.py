@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from celery_nats_leader.backoff import retry_transient
-from celery_nats_leader.beat.state import ScheduleStateStore
+from celery_nats_leader.beat.schedule_store import ScheduleStateStore
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.election import DemoteReason, ElectionState

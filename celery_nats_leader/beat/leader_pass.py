@@ -26,8 +26,8 @@ from celery_nats_leader.beat.dispatcher import Outcome, Tick, TickDispatcher
 from celery_nats_leader.beat.election import BeatElection
 from celery_nats_leader.beat.introspection import cron_cutoff, is_numeric
 from celery_nats_leader.beat.metrics import TickMetrics
+from celery_nats_leader.beat.schedule_store import EntryState
 from celery_nats_leader.beat.send import send_tick, tick_options
-from celery_nats_leader.beat.state import EntryState
 from celery_nats_leader.beat.ticks import TickPlan, TickPlanner, slot_text, to_utc
 from celery_nats_leader.celery_compat import (
     deadline_left_to_the_slots,

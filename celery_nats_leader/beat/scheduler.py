@@ -17,7 +17,7 @@
 * and, importing no Celery, the beat role
   (:mod:`~celery_nats_leader.beat.election`), tick identity and planning
   (:mod:`~celery_nats_leader.beat.ticks`), the state in KV
-  (:mod:`~celery_nats_leader.beat.state`) and the dispatcher that validates
+  (:mod:`~celery_nats_leader.beat.schedule_store`) and the dispatcher that validates
   the token, commits, sends and reverts
   (:mod:`~celery_nats_leader.beat.dispatcher`).
 """
@@ -41,9 +41,9 @@ from celery_nats_leader.beat.election import SCHEDULER_META_KEY, BeatElection
 from celery_nats_leader.beat.introspection import has_standard_is_due, interval_of
 from celery_nats_leader.beat.leader_pass import LeaderPass
 from celery_nats_leader.beat.metrics import TickMetrics
+from celery_nats_leader.beat.schedule_store import EntryState
 from celery_nats_leader.beat.send import is_permanent_send_error
 from celery_nats_leader.beat.signals import signals_deferred
-from celery_nats_leader.beat.state import EntryState
 from celery_nats_leader.beat.ticks import TickPlanner
 from celery_nats_leader.celery_compat import beat_nodename
 from celery_nats_leader.config import ElectionConfig

@@ -4,7 +4,7 @@ The dispatcher (:mod:`.dispatcher`) decides when a tick is sent and what
 happens when the send fails (:func:`is_permanent_send_error` tells it
 which failures every retry would repeat); this module builds the message:
 the tick's task id, the headers the workers' once-guard and fence read
-(:mod:`.fence`), and a copy of the entry carrying them.
+(:mod:`.dispatch_fence`), and a copy of the entry carrying them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 from celery import beat as celery_beat
 from kombu.exceptions import OperationalError, SerializationError
 
-from celery_nats_leader.beat.fence import (
+from celery_nats_leader.beat.dispatch_fence import (
     DISPATCHER_HEADER,
     ENTRY_HEADER,
     EPOCH_HEADER,
@@ -26,7 +26,7 @@ from celery_nats_leader.beat.fence import (
     RUN_HEADER,
     TICK_HEADER,
 )
-from celery_nats_leader.beat.state import EntryState
+from celery_nats_leader.beat.schedule_store import EntryState
 from celery_nats_leader.beat.ticks import slot_text, tick_task_id
 from celery_nats_leader.term.token import FencingToken
 

@@ -137,7 +137,7 @@ class AllcallElection(BaseElection):
     """Leader election for one role with the ALLCALL algorithm (core NATS only).
 
     Implements :class:`~celery_nats_leader.election.interface.LeaderElection` with the
-    same semantics as :class:`~celery_nats_leader.election.Election` where
+    same semantics as :class:`~celery_nats_leader.election.KvElection` where
     they apply; see the module docstring for the algorithm and the clock
     assumption, and docs/allcall.md for the guarantees.
 
@@ -366,7 +366,7 @@ class AllcallElection(BaseElection):
 
         Returns:
             A JSON-serializable dict with the keys of
-            :meth:`Election.describe <celery_nats_leader.election.Election.describe>`
+            :meth:`KvElection.describe <celery_nats_leader.election.KvElection.describe>`
             (``revision`` is always ``None``: there is no KV) plus
             ``strategy``, ``phase``, ``eligible``, ``max_clock_skew``,
             ``lease_expires`` (the honoured claim's expiry, wall clock of the

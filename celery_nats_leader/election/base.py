@@ -12,7 +12,7 @@ main loop, connecting, tearing down, failing loudly, health checks, resign and
 takeover requests.
 
 Each strategy subclasses it and supplies the algorithm:
-:class:`~celery_nats_leader.election.Election` (the KV strategy) and
+:class:`~celery_nats_leader.election.KvElection` (the KV strategy) and
 :class:`~celery_nats_leader.election.allcall.AllcallElection` (ALLCALL). What they
 must provide is abstract here: :meth:`~BaseElection.start`,
 :meth:`~BaseElection.stop`, :meth:`~BaseElection.validate_token`,
@@ -55,7 +55,7 @@ from celery_nats_leader.term.record import LeaderRecord
 from celery_nats_leader.term.token import FencingToken
 
 if TYPE_CHECKING:
-    from celery_nats_leader.election.services import (
+    from celery_nats_leader.election.leader_services import (
         LeaderServiceRunner,
         LeadingScope,
         ServiceFunction,
@@ -315,12 +315,12 @@ class BaseElection(abc.ABC):
         Started on each promotion and stopped when the term ends: a
         coroutine function as a task on this loop (cancelled), a plain
         function on a thread of its own (``ctx.stopped`` turns true, it must
-        return). See :mod:`celery_nats_leader.election.services`. Register
+        return). See :mod:`celery_nats_leader.election.leader_services`. Register
         before :meth:`start`, or on the election's loop.
 
         Args:
             service: The service; it receives a
-                :class:`~celery_nats_leader.election.services.LeaderContext`.
+                :class:`~celery_nats_leader.election.leader_services.LeaderContext`.
             name: For logs; default the function's name.
             grace: Seconds a stopping service is awaited before the term is
                 released; default ``lease_margin``.
@@ -329,7 +329,7 @@ class BaseElection(abc.ABC):
             The service's handle (``runs``, ``running``, ``close()``).
 
         """
-        from celery_nats_leader.election.services import LeaderServiceRunner
+        from celery_nats_leader.election.leader_services import LeaderServiceRunner
 
         runner = LeaderServiceRunner(self, service, name=name, grace=grace)
         self._transition_hooks.append(runner.transition)
@@ -353,14 +353,14 @@ class BaseElection(abc.ABC):
             The scope; ``ctx.token`` is the term's fencing token.
 
         """
-        from celery_nats_leader.election.services import LeadingScope
+        from celery_nats_leader.election.leader_services import LeadingScope
 
         return LeadingScope(self, timeout)
 
     def add_transition_hook(self, hook: TransitionHook) -> None:
         """Call ``hook(old, new)`` synchronously on the loop at every state change.
 
-        For leader services (:mod:`celery_nats_leader.election.services`),
+        For leader services (:mod:`celery_nats_leader.election.leader_services`),
         which must be told at the instant a term ends, not after the
         callbacks queued before them.
         """

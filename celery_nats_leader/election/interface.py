@@ -2,7 +2,7 @@
 
 The Elector, the Celery bootstep, ``@leader_only`` and the beat scheduler
 depend only on this, so they work unchanged on the KV strategy
-(:class:`~celery_nats_leader.election.Election`, the default) and on ALLCALL.
+(:class:`~celery_nats_leader.election.KvElection`, the default) and on ALLCALL.
 """
 
 from __future__ import annotations
@@ -11,7 +11,11 @@ from typing import Any, Protocol
 
 from celery_nats_leader.backend import Backend
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.election.services import LeaderServiceRunner, LeadingScope, ServiceFunction
+from celery_nats_leader.election.leader_services import (
+    LeaderServiceRunner,
+    LeadingScope,
+    ServiceFunction,
+)
 from celery_nats_leader.election.vocabulary import (
     DemoteCallback,
     ElectionState,
@@ -148,6 +152,6 @@ def new_election(config: ElectionConfig, **kwargs: Any) -> LeaderElection:
 
         election: LeaderElection = AllcallElection(config, **kwargs)
         return election
-    from celery_nats_leader.election.kv import Election
+    from celery_nats_leader.election.kv import KvElection
 
-    return Election(config, **kwargs)
+    return KvElection(config, **kwargs)

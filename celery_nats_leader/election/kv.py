@@ -9,7 +9,7 @@
   last confirmed write and stops leading at ``send + ttl - margin``. The
   server cannot expire the key before ``store + ttl >= send + ttl``, so a live
   leader always steps down before a successor can win, whatever the network
-  does. :attr:`Election.is_leader` checks that deadline on every call, so it
+  does. :attr:`KvElection.is_leader` checks that deadline on every call, so it
   is right even when the event loop lags.
 * Follow: watch the key; on a delete, campaign at once (with a little jitter,
   preferred candidates first); otherwise campaign when the key must have
@@ -67,7 +67,7 @@ PERMANENT_ERRORS = (
 _REMEMBERED_TOKENS = 16
 
 
-class Election(BaseElection):
+class KvElection(BaseElection):
     """Leader election for one role on a NATS JetStream KV bucket.
 
     Constructed like every strategy: see
@@ -1153,4 +1153,7 @@ def _priority(entry: dict[str, Any]) -> int:
     return priority if isinstance(priority, int) else 0
 
 
-__all__ = ["PERMANENT_ERRORS", "Election"]
+#: The former name of :class:`KvElection`, kept as an alias.
+Election = KvElection
+
+__all__ = ["PERMANENT_ERRORS", "Election", "KvElection"]

@@ -3,7 +3,7 @@
 States, demote reasons, the callback types, the subjects an election speaks
 on, and :class:`ServiceHost`, what leader services need of an election.
 Nothing here runs an election: :mod:`.base`, :mod:`.kv`, :mod:`.allcall`,
-:mod:`.services`, :mod:`.interface` and :mod:`celery_nats_leader.events`
+:mod:`.leader_services`, :mod:`.interface` and :mod:`celery_nats_leader.events`
 import these names from here, so none of them has to import another's
 implementation for a word.
 """
@@ -112,7 +112,7 @@ def events_stream(bucket: str) -> str:
 
 
 class ServiceHost(Protocol):
-    """What leader services (:mod:`.services`) need of an election.
+    """What leader services (:mod:`.leader_services`) need of an election.
 
     :class:`~celery_nats_leader.election.base.BaseElection` provides it; the
     services runner depends on this and nothing else of the election.

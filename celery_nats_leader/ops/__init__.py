@@ -2,7 +2,7 @@
 
 * :mod:`.status`: who leads each role, with each leader's own view of its
   term (read from the bucket and asked of the live candidates).
-* :mod:`.fence`: end a leader's term now: a hand-over if it answers, else a
+* :mod:`.fence_leader`: end a leader's term now: a hand-over if it answers, else a
   fence marker written at the observed revision.
 * :mod:`.events`: the event trail, kept by the optional stream and live.
 * :mod:`.cli`: ``celery nats-leader``, which only parses arguments and

@@ -57,7 +57,7 @@ from celery_nats_leader.ops.bucket import (
 )
 from celery_nats_leader.ops.bucket import outcome_lines as bucket_lines
 from celery_nats_leader.ops.events import StreamInfo, show_events
-from celery_nats_leader.ops.fence import DEFAULT_HANDOVER_WAIT, fence_lines, request_fence
+from celery_nats_leader.ops.fence_leader import DEFAULT_HANDOVER_WAIT, fence_lines, request_fence
 from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.ops.output import (
     EXIT_ERROR,

@@ -10,7 +10,7 @@ which only parse their arguments and print these lines:
   (:func:`status_lines`, :func:`status_document`: one table row per role).
 
 The other operations' outcomes render next to them: :mod:`.resign`
-(``outcome_lines``, ``outcome_to_dict``), :mod:`.fence` (``fence_lines``,
+(``outcome_lines``, ``outcome_to_dict``), :mod:`.fence_leader` (``fence_lines``,
 ``FenceOutcome.to_dict``), :mod:`.bucket` (``outcome_lines``, ``floor_lines``).
 """
 

@@ -34,7 +34,7 @@ from datetime import datetime, timedelta, timezone, tzinfo
 from typing import TYPE_CHECKING, Any
 
 from celery_nats_leader.backend import Backend, Bucket
-from celery_nats_leader.beat.state import EntryState, decode_state, encode_state, state_key
+from celery_nats_leader.beat.schedule_store import EntryState, decode_state, encode_state, state_key
 from celery_nats_leader.beat.ticks import slot_text, to_utc
 from celery_nats_leader.errors import ConfigError, KeyExistsError, RevisionMismatchError
 from celery_nats_leader.ops.oneshot import with_backend

@@ -60,7 +60,7 @@ class RoleStatus:
             if the leader did not answer.
         leader_meta: Metadata the leader published (hostname, pid, ...).
         candidates: Every live candidate's own description (see
-            :meth:`celery_nats_leader.election.Election.describe`).
+            :meth:`celery_nats_leader.election.KvElection.describe`).
         problem: Why the key could not be read as a record, if so.
         answering: Whether the leader answered the roster request (``None``
             when nobody leads). A leader that does not answer is paused,

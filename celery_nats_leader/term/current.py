@@ -3,7 +3,7 @@
 A role's term is what its key in the bucket holds. Everything that must know
 it reads it here: the election validating its own token, ``status``, prefork
 children validating a token for ``@leader_only(validate=True)`` and the
-worker-side beat check (:class:`~celery_nats_leader.beat.fence.DispatchFence`).
+worker-side beat check (:class:`~celery_nats_leader.beat.dispatch_fence.DispatchFence`).
 
 * :func:`term_of` turns a KV entry into a :class:`Term` (or ``None`` when the
   role is free): the one decoding of an entry.

@@ -3,7 +3,7 @@
 Tests, benchmarks and demos need candidates that can crash (SIGKILL), freeze
 (SIGSTOP) and stop gracefully (SIGTERM) like real processes.
 ``python -m celery_nats_leader.testing.candidate --url URL --role R --ttl T
---id NAME [...]`` runs one :class:`~celery_nats_leader.Election` and prints one
+--id NAME [...]`` runs one :class:`~celery_nats_leader.KvElection` and prints one
 JSON line per event on stdout, e.g.
 ``{"event": "promoted", "id": "c1", "at": 1234.5, "pid": 42, "epoch": 7}``.
 ``at`` is :func:`time.monotonic` in the child: on Linux that clock is shared by
@@ -18,7 +18,7 @@ leader       the leader it observes changed (``leader_id``, ``epoch``)
 renewed      a renewal was confirmed (``sent``: when it was sent; the lease
              runs until ``sent + ttl - lease_margin``)
 validate     answer to ``validate`` (``result``, ``epoch``)
-status       answer to ``status`` (``status``: :meth:`Election.describe`)
+status       answer to ``status`` (``status``: :meth:`KvElection.describe`)
 resigned     answer to ``resign``
 disconnected its NATS connection went down
 reconnected  its NATS connection is back
@@ -47,7 +47,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionError
+from celery_nats_leader import DemoteReason, ElectionConfig, ElectionError, KvElection
 from celery_nats_leader.nats import ConnectionListener, ConnectOptions, open_backend
 from celery_nats_leader.term.record import LeaderRecord
 from celery_nats_leader.term.token import FencingToken
@@ -168,7 +168,7 @@ class _ConnectionEvents(ConnectionListener):
 
     def __init__(self, printer: _Printer) -> None:
         self._printer = printer
-        self.election: Election | None = None
+        self.election: KvElection | None = None
 
     def disconnected(self) -> None:
         self._printer.emit("disconnected")
@@ -221,12 +221,12 @@ async def _run(args: argparse.Namespace, printer: _Printer) -> int:
         printer.emit("error", error=type(exc).__name__, message=str(exc))
         return 2
     async with backend:
-        election = Election(config, backend, observer=_RenewalPrinter(printer))
+        election = KvElection(config, backend, observer=_RenewalPrinter(printer))
         return await _elect(args, printer, election, listener)
 
 
 async def _elect(
-    args: argparse.Namespace, printer: _Printer, election: Election, listener: _ConnectionEvents
+    args: argparse.Namespace, printer: _Printer, election: KvElection, listener: _ConnectionEvents
 ) -> int:
     listener.election = election
     failed = asyncio.Event()

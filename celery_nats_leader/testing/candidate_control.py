@@ -518,7 +518,7 @@ class CandidateGroup:
         return bool(self.request(name, "validate", "validate", timeout=timeout)["result"])
 
     def status(self, name: str, *, timeout: float = 10.0) -> dict[str, Any]:
-        """Ask one candidate for its :meth:`~celery_nats_leader.Election.describe`.
+        """Ask one candidate for its :meth:`~celery_nats_leader.KvElection.describe`.
 
         Returns:
             Its description.

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from celery_nats_leader.nats.memory import MemoryServer
     from celery_nats_leader.term.token import FencingToken
     from celery_nats_leader.testing.nats_server import NatsServer
-    from celery_nats_leader.worker.state import WorkerLeadership
+    from celery_nats_leader.worker.shared_leadership import WorkerLeadership
 
 __all__ = ["Execution", "Leadership"]
 
@@ -249,20 +249,20 @@ class Leadership:
 
     def _publish(self, role: str) -> None:
         from celery_nats_leader.nats.connection import ConnectOptions
-        from celery_nats_leader.worker import state as worker_state
+        from celery_nats_leader.worker import shared_leadership
 
         if role not in self._roles:
             # The shared slots are sized when made: a new role needs new ones.
             self._roles = (*self._roles, role)
-            self._state = worker_state.WorkerLeadership(
-                worker_state.SharedLeadership(self._roles),
+            self._state = shared_leadership.WorkerLeadership(
+                shared_leadership.SharedLeadership(self._roles),
                 self,
                 instance_id=INSTANCE_ID,
                 bucket="pytest",
                 connection=ConnectOptions.build(None),
                 request_timeouts={},
             )
-            worker_state.install(self._state)
+            shared_leadership.install(self._state)
         assert self._state is not None
         shared = self._state.shared
         for name in self._roles:
@@ -274,9 +274,9 @@ class Leadership:
                 shared.publish(name, token.epoch, deadline, token.value)
 
     def _install(self) -> None:
-        from celery_nats_leader.worker import state as worker_state
+        from celery_nats_leader.worker import shared_leadership
 
-        worker_state.install(self._state)
+        shared_leadership.install(self._state)
 
 
 @pytest.fixture
@@ -287,12 +287,12 @@ def nats_leader_leadership() -> Iterator[Leadership]:
     ``.follow("reports")`` ends it; ``.execute(task, ...)`` runs a task as a
     worker would. The worker's previous state is restored after the test.
     """
-    from celery_nats_leader.worker import state as worker_state
+    from celery_nats_leader.worker import shared_leadership
 
-    previous = worker_state.current()
+    previous = shared_leadership.current()
     leadership = Leadership()
     leadership._install()
     try:
         yield leadership
     finally:
-        worker_state.install(previous)
+        shared_leadership.install(previous)

@@ -9,7 +9,7 @@ Add them with one line where the app is created::
     install(app)
 
 Two thin steps, in the style of Celery's ``consumer/heart.py``; the work is
-done by :class:`~celery_nats_leader.worker.service.LeaderService`:
+done by :class:`~celery_nats_leader.worker.election.WorkerElection`:
 
 * :class:`NatsLeaderBootstep` (worker blueprint) builds the service before the
   pool forks, starts it after, and stops it at the *start* of a shutdown, so
@@ -33,7 +33,7 @@ from celery_nats_leader.celery_compat import (
 )
 from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.errors import ConfigError, ElectionError
-from celery_nats_leader.worker.service import LeaderService
+from celery_nats_leader.worker.election import WorkerElection
 from celery_nats_leader.worker.tasks import install_routing
 
 __all__ = ["LeaderQueues", "NatsLeaderBootstep", "install"]
@@ -74,12 +74,12 @@ class NatsLeaderBootstep(bootsteps.StartStopStep):  # type: ignore[misc]  # Cele
             settings = LeaderSettings.from_celery(worker.app.conf)
         except ConfigError as exc:
             _refuse(os.EX_CONFIG, "cannot start the worker: %s", exc)
-        self.service = LeaderService(worker.app, settings, hostname=worker.hostname)
+        self.service = WorkerElection(worker.app, settings, hostname=worker.hostname)
         self.service.prepare_worker()
         worker.nats_leader = self.service
 
     def start(self, worker: Any) -> None:
-        """Connect and campaign (see :meth:`LeaderService.start`)."""
+        """Connect and campaign (see :meth:`WorkerElection.start`)."""
         # A billiard race could otherwise keep the warm shutdown that hands
         # the roles over from ever ending (see the function).
         pool_shutdown_tells_every_process(getattr(worker, "pool", None))

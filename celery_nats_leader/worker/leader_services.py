@@ -4,7 +4,7 @@ A poller, a change-data-capture consumer, a websocket client: code that must
 run on exactly one replica, for as long as it leads a role. Register it with
 the :func:`leader_service` decorator or the ``nats_leader_services`` setting;
 the worker's main process starts it on promotion and stops it on demotion
-(see :mod:`celery_nats_leader.election.services` for the guarantees)::
+(see :mod:`celery_nats_leader.election.leader_services` for the guarantees)::
 
     from celery_nats_leader import LeaderContext, leader_service
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery_nats_leader.config import validate_key
-from celery_nats_leader.election.services import LeaderContext, ServiceFunction
+from celery_nats_leader.election.leader_services import LeaderContext, ServiceFunction
 from celery_nats_leader.errors import ConfigError
 
 __all__ = ["ServiceSpec", "leader_service", "registered_services"]

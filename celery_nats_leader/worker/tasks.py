@@ -60,7 +60,7 @@ from celery_nats_leader.config import validate_key
 from celery_nats_leader.config.settings import settings_of_app
 from celery_nats_leader.errors import ConfigError, LeadershipLostError, NotLeaderError
 from celery_nats_leader.term.token import FencingToken
-from celery_nats_leader.worker import state as worker_state
+from celery_nats_leader.worker import shared_leadership
 from celery_nats_leader.worker.refused import NotRun
 
 __all__ = [
@@ -266,7 +266,7 @@ def _delivered_from(request: Any, queue: str) -> bool:
 def _guard(task: Any, binding: _Binding) -> FencingToken:
     """Check leadership before the body runs; returns the token or refuses."""
     options = binding.options
-    result = worker_state.check_leadership(binding.role, validate=options.validate)
+    result = shared_leadership.check_leadership(binding.role, validate=options.validate)
     request = task.request
     request.leader_role = binding.role
     request.leader_token = result.token

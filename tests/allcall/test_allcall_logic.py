@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from celery_nats_leader import DemoteReason, ElectionConfig, ElectionState
-from celery_nats_leader.election import Election, control_subject
+from celery_nats_leader.election import KvElection, control_subject
 from celery_nats_leader.election.allcall import AllcallElection, Phase
 from celery_nats_leader.election.allcall_protocol import (
     ALLCALL_VERB,
@@ -566,12 +566,12 @@ async def test_wait_for_leadership_and_stop(cluster: MemoryCluster) -> None:
 def test_new_election_picks_the_strategy() -> None:
     allcall = new_election(ElectionConfig(strategy="allcall"))
     assert isinstance(allcall, AllcallElection)
-    assert isinstance(new_election(ElectionConfig()), Election)
+    assert isinstance(new_election(ElectionConfig()), KvElection)
     with pytest.raises(ConfigError, match="strategy='allcall'"):
         AllcallElection(ElectionConfig())
     # The KV class refuses a config asking for ALLCALL instead of running KV.
     with pytest.raises(ConfigError, match=r"strategy='allcall'.*new_election\(config\)"):
-        Election(ElectionConfig(strategy="allcall"))
+        KvElection(ElectionConfig(strategy="allcall"))
     from celery_nats_leader import new_election as exported
 
     assert exported is new_election

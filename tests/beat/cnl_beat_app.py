@@ -143,7 +143,7 @@ def install_kill_points(folder: str) -> None:
     """
     from celery.signals import after_task_publish, before_task_publish
 
-    from celery_nats_leader.beat.state import ScheduleStateStore
+    from celery_nats_leader.beat.schedule_store import ScheduleStateStore
 
     def before(headers: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if headers and headers.get(TICK_HEADER):

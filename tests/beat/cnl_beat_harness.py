@@ -37,7 +37,7 @@ import nats
 from cnl_beat_ledger import BeatLedger, Run
 from nats.js.api import KeyValueConfig
 
-from celery_nats_leader.beat.state import EntryState, decode_state, state_key
+from celery_nats_leader.beat.schedule_store import EntryState, decode_state, state_key
 from celery_nats_leader.beat.ticks import slot_text
 from celery_nats_leader.errors import RecordFormatError
 from celery_nats_leader.loop_thread import EventLoopThread

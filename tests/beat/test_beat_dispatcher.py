@@ -16,7 +16,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from celery_nats_leader.beat.dispatcher import Outcome, Tick, TickDispatcher
-from celery_nats_leader.beat.state import EntryState, ScheduleStateStore
+from celery_nats_leader.beat.schedule_store import EntryState, ScheduleStateStore
 from celery_nats_leader.elector import Elector
 from celery_nats_leader.errors import BackendTimeoutError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
@@ -150,7 +150,7 @@ def test_the_parts_without_celery_import_without_it() -> None:
         "    sys.modules[name] = None\n"
         "import celery_nats_leader.beat\n"
         "import celery_nats_leader.beat.dispatcher, celery_nats_leader.beat.election\n"
-        "import celery_nats_leader.beat.state, celery_nats_leader.beat.ticks\n"
+        "import celery_nats_leader.beat.schedule_store, celery_nats_leader.beat.ticks\n"
         "import celery_nats_leader.beat.agenda, celery_nats_leader.beat.metrics\n"
         "assert celery_nats_leader.beat.tick_task_id('b', 'r', 'e', 't')\n"
     )

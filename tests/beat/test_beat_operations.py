@@ -27,7 +27,7 @@ from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.elector import Elector
 from celery_nats_leader.errors import ConfigError
 from celery_nats_leader.testing import NatsServer
-from celery_nats_leader.worker.service import LeaderService
+from celery_nats_leader.worker.election import WorkerElection
 
 pytestmark = [pytest.mark.integration]
 
@@ -163,10 +163,10 @@ def test_a_worker_refuses_the_beat_role_among_its_roles() -> None:
     app = Celery("roles", set_as_current=False)
     settings = LeaderSettings(roles=("default", "beat"))
     with pytest.raises(ConfigError, match="contains the beat role 'beat'"):
-        LeaderService(app, settings)
+        WorkerElection(app, settings)
     renamed = LeaderSettings(roles=("default", "beat"), beat_role="scheduler")
     # A role named "beat" is fine when beat uses another.
-    LeaderService(app, renamed).stop()
+    WorkerElection(app, renamed).stop()
 
 
 def test_a_celery_worker_with_the_beat_role_does_not_start(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from celery.schedules import crontab, schedule
 from click.testing import CliRunner, Result
 from redbeat.decoder import RedBeatJSONDecoder, RedBeatJSONEncoder
 
-from celery_nats_leader.beat.state import state_key
+from celery_nats_leader.beat.schedule_store import state_key
 from celery_nats_leader.errors import ConfigError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.ops.cli import nats_leader

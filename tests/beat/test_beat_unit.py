@@ -37,7 +37,7 @@ from celery_nats_leader.beat import (
     tick_task_id,
 )
 from celery_nats_leader.beat.introspection import interval_of
-from celery_nats_leader.beat.state import EntryState, decode_state, encode_state, state_key
+from celery_nats_leader.beat.schedule_store import EntryState, decode_state, encode_state, state_key
 from celery_nats_leader.beat.ticks import TickPlanner, next_slot, parse_slot, slot_text
 from celery_nats_leader.celery_compat import slot_schedule
 from celery_nats_leader.config.settings import LeaderSettings

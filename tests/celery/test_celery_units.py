@@ -15,8 +15,8 @@ from celery import Celery
 
 from celery_nats_leader import LeaderTask, install, leader_only
 from celery_nats_leader.errors import ConfigError
-from celery_nats_leader.worker import state as worker_state
-from celery_nats_leader.worker.state import SharedLeadership
+from celery_nats_leader.worker import shared_leadership
+from celery_nats_leader.worker.shared_leadership import SharedLeadership
 from celery_nats_leader.worker.tasks import leader_options, upgrade_tasks
 
 
@@ -117,7 +117,7 @@ def test_bad_decorator_use_is_refused(app: Celery) -> None:
 
 
 def test_check_outside_a_worker_says_why() -> None:
-    result = worker_state.check_leadership("alpha")
+    result = shared_leadership.check_leadership("alpha")
     assert not result.leading
     assert "bootstep" in result.reason
 

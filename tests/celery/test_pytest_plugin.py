@@ -12,7 +12,7 @@ from celery import Celery
 
 from celery_nats_leader import install, leader_only
 from celery_nats_leader.testing.pytest_plugin import Leadership
-from celery_nats_leader.worker import state as worker_state
+from celery_nats_leader.worker import shared_leadership
 
 
 @pytest.fixture
@@ -51,12 +51,12 @@ def test_each_term_has_a_higher_epoch_and_roles_are_independent(
     second = nats_leader_leadership.lead("beta")
     third = nats_leader_leadership.lead("alpha")
     assert first.epoch < second.epoch < third.epoch
-    assert worker_state.check_leadership("alpha").token == third
-    assert worker_state.check_leadership("alpha", validate=True).token == third
-    assert worker_state.check_leadership("beta").token == second
+    assert shared_leadership.check_leadership("alpha").token == third
+    assert shared_leadership.check_leadership("alpha", validate=True).token == third
+    assert shared_leadership.check_leadership("beta").token == second
     nats_leader_leadership.follow("beta")
-    assert worker_state.check_leadership("beta").reason == "not the leader"
-    assert "does not campaign for 'gamma'" in worker_state.check_leadership("gamma").reason
+    assert shared_leadership.check_leadership("beta").reason == "not the leader"
+    assert "does not campaign for 'gamma'" in shared_leadership.check_leadership("gamma").reason
     assert nats_leader_leadership.token("alpha") == third
     assert nats_leader_leadership.token("beta") is None
 

@@ -11,7 +11,7 @@ from cnl_celery_harness import Cluster, wait_for
 
 from celery_nats_leader.nats.connection import ConnectOptions, connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend
-from celery_nats_leader.ops.fence import fence_leader
+from celery_nats_leader.ops.fence_leader import fence_leader
 from celery_nats_leader.testing import free_port
 from tests.support.http_probe import get
 

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionError
+from celery_nats_leader import DemoteReason, ElectionConfig, ElectionError, KvElection
 from celery_nats_leader.election.observer import NullObserver
 from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, open_backend
 from celery_nats_leader.term.token import FencingToken
@@ -192,7 +192,7 @@ class _LeaseObserver(NullObserver):
 
 
 class _Waker(ConnectionListener):
-    def __init__(self, elections: list[Election]) -> None:
+    def __init__(self, elections: list[KvElection]) -> None:
         self._elections = elections
 
     def disconnected(self) -> None:
@@ -206,7 +206,7 @@ class _Waker(ConnectionListener):
 
 def _writer(
     args: argparse.Namespace,
-    elections: Sequence[Election],
+    elections: Sequence[KvElection],
     log: EventLog,
     stop: threading.Event,
 ) -> None:
@@ -229,7 +229,7 @@ def _writer(
 async def _run(args: argparse.Namespace, log: EventLog) -> int:
     urls = tuple(u for url in args.url for u in url.split(",") if u)
     roles = [r for r in args.roles.split(",") if r]
-    elections: list[Election] = []
+    elections: list[KvElection] = []
     try:
         backend = await open_backend(
             ConnectOptions(
@@ -252,9 +252,9 @@ async def _run(args: argparse.Namespace, log: EventLog) -> int:
             ttl=args.ttl,
             priority=args.priority,
         )
-        election = Election(config, backend, observer=_LeaseObserver(log, config.lease_seconds))
+        election = KvElection(config, backend, observer=_LeaseObserver(log, config.lease_seconds))
 
-        def callbacks(election: Election, role: str) -> None:
+        def callbacks(election: KvElection, role: str) -> None:
             @election.on_promote
             async def _promoted(token: FencingToken) -> None:
                 log.emit(

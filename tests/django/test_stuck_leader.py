@@ -19,7 +19,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from celery_nats_leader.ops.fence import FenceOutcome
+from celery_nats_leader.ops.fence_leader import FenceOutcome
 from celery_nats_leader.term.token import ALLCALL_EPOCH_FLOOR
 from celery_nats_leader.testing import CandidateGroup, NatsServer
 from django_nats_leader.fencing import StaleLeaderError, current_epoch, fenced

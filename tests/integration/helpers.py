@@ -27,7 +27,7 @@ import nats
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 
-from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionError, FencingToken
+from celery_nats_leader import DemoteReason, ElectionConfig, ElectionError, FencingToken, KvElection
 from celery_nats_leader.nats import ConnectOptions, JetStreamBackend
 from celery_nats_leader.term.record import LeaderRecord, decode_record
 from celery_nats_leader.testing import CandidateEvent, CandidateGroup, NatsServer
@@ -206,7 +206,7 @@ class LocalElections:
     """
 
     urls: list[str]
-    elections: dict[str, Election] = field(default_factory=dict)
+    elections: dict[str, KvElection] = field(default_factory=dict)
     log: list[LocalEvent] = field(default_factory=list)
     connections: list[Client] = field(default_factory=list)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -218,7 +218,7 @@ class LocalElections:
         connection: Client | None = None,
         url: str | None = None,
         **overrides: Any,
-    ) -> Election:
+    ) -> KvElection:
         """Build (not start) election ``name``; ``overrides`` go to its config."""
         options: dict[str, Any] = {"role": ROLE, "bucket": BUCKET, "ttl": TTL, "instance_id": name}
         options.update(overrides)
@@ -229,7 +229,7 @@ class LocalElections:
         # Several elections may share one test-owned connection: each gets a
         # backend on it that leaves it open (the test closes it).
         backend = JetStreamBackend(connection) if connection is not None else None
-        election = Election(ElectionConfig(**options), backend, connect_options=connect_options)
+        election = KvElection(ElectionConfig(**options), backend, connect_options=connect_options)
         self.elections[name] = election
 
         @election.on_promote
@@ -250,7 +250,7 @@ class LocalElections:
 
         return election
 
-    def __getitem__(self, name: str) -> Election:
+    def __getitem__(self, name: str) -> KvElection:
         return self.elections[name]
 
     async def connect(self, count: int) -> list[Client]:

@@ -23,7 +23,7 @@ from celery_nats_leader.ops.events import (
     show_events,
     stream_info,
 )
-from celery_nats_leader.ops.fence import fence_leader
+from celery_nats_leader.ops.fence_leader import fence_leader
 from celery_nats_leader.testing import CandidateGroup, NatsServer
 from tests.integration.helpers import BUCKET, ROLE, SLACK, TTL, in_thread
 

@@ -21,13 +21,13 @@ import pytest
 from nats.aio.client import Client
 
 from celery_nats_leader import DemoteReason, ElectionConfig, Elector
-from celery_nats_leader.beat.fence import DispatchFence
+from celery_nats_leader.beat.dispatch_fence import DispatchFence
 from celery_nats_leader.config.constants import RESIGN_VERB
 from celery_nats_leader.election.base import control_subject
 from celery_nats_leader.errors import NotLeaderError
 from celery_nats_leader.nats.connection import ConnectOptions
 from celery_nats_leader.nats.jetstream import JetStreamBackend
-from celery_nats_leader.ops.fence import DEFAULT_HANDOVER_WAIT, fence_leader
+from celery_nats_leader.ops.fence_leader import DEFAULT_HANDOVER_WAIT, fence_leader
 from celery_nats_leader.term.record import decode_record, encode_record
 from celery_nats_leader.testing import CandidateGroup, NatsServer
 from tests.integration.helpers import ROLE, SLACK, KeyHistory, create_bucket, in_thread

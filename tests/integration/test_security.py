@@ -32,7 +32,7 @@ from celery_nats_leader.errors import NatsUnavailableError, PermissionDeniedErro
 from celery_nats_leader.nats.connection import ConnectOptions, connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.ops.events import ensure_events_stream, read_events
-from celery_nats_leader.ops.fence import fence_leader
+from celery_nats_leader.ops.fence_leader import fence_leader
 from celery_nats_leader.ops.status import read_report
 from celery_nats_leader.testing import NatsServer
 

@@ -16,7 +16,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 
-from celery_nats_leader import Election, ElectionConfig, ElectionState
+from celery_nats_leader import ElectionConfig, ElectionState, KvElection
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.term.record import decode_record, encode_record
 from celery_nats_leader.testing import CandidateGroup, NatsServer, binary_version
@@ -157,7 +157,7 @@ async def test_a_followers_conditional_delete_never_removes_a_renewal_at_the_dea
     transitions = _Transitions()
     # The follower's watch is blind and it reads the key only every 30 s: it
     # cannot learn of the renewal before its count for ``first`` runs out.
-    follower = Election(
+    follower = KvElection(
         ElectionConfig(role=ROLE, bucket=BUCKET, ttl=TTL, instance_id="f", resync_interval=30.0),
         backend=_BlindBackend(JetStreamBackend(nc)),  # type: ignore[arg-type]
         observer=transitions,

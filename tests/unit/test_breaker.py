@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from celery_nats_leader import Election, ElectionConfig
+from celery_nats_leader import ElectionConfig, KvElection
 from celery_nats_leader.backoff import Backoff
 from celery_nats_leader.clock import ManualClock
 from celery_nats_leader.config.constants import BACKOFF_MAX_SECONDS, CIRCUIT_BREAKER_THRESHOLD
@@ -46,7 +46,7 @@ def test_open_circuit_never_waits_less_than_the_backoff_ceiling(cooldown: float)
     assert all(d <= BACKOFF_MAX_SECONDS * 1.1 for d in before_open)
 
 
-async def _pump(election: Election, clock: ManualClock, seconds: float, step: float) -> None:
+async def _pump(election: KvElection, clock: ManualClock, seconds: float, step: float) -> None:
     """Move the election's clock forward ``seconds`` in ``step``s, letting its loop run."""
     for _ in range(round(seconds / step)):
         clock.advance(step)
@@ -77,7 +77,7 @@ async def test_breaker_opens_when_creates_fail_but_reads_succeed(
 
     monkeypatch.setattr(MemoryBucket, "create", create)
     monkeypatch.setattr(MemoryBucket, "get", get)
-    election = Election(
+    election = KvElection(
         ElectionConfig(role="beat", ttl=TTL, instance_id="a", create_bucket=True),
         backend=MemoryBackend(server),
         clock=clock,

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from celery_nats_leader import DemoteReason, Election, ElectionConfig, ElectionState
+from celery_nats_leader import DemoteReason, ElectionConfig, ElectionState, KvElection
 from celery_nats_leader.clock import ManualClock
 from celery_nats_leader.errors import BucketNotFoundError, ElectionStoppedError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
@@ -26,7 +26,7 @@ TTL = 0.6
 class Candidate:
     """An election plus a log of what its callbacks saw."""
 
-    def __init__(self, election: Election, backend: MemoryBackend) -> None:
+    def __init__(self, election: KvElection, backend: MemoryBackend) -> None:
         self.election = election
         self.backend = backend
         self.promotions: list[int] = []
@@ -65,7 +65,7 @@ async def make(server: MemoryServer) -> AsyncIterator[Callable[..., Candidate]]:
         options.update(overrides)
         clock = options.pop("clock", None)
         backend = MemoryBackend(server)
-        election = Election(
+        election = KvElection(
             ElectionConfig(**options),  # type: ignore[arg-type]
             backend=backend,
             clock=clock,  # type: ignore[arg-type]
@@ -467,7 +467,7 @@ async def test_leftover_record_of_ours_is_cleared(
 
 
 async def test_bucket_missing_fails_fast_with_advice(server: MemoryServer) -> None:
-    election = Election(ElectionConfig(ttl=TTL), backend=MemoryBackend(server))
+    election = KvElection(ElectionConfig(ttl=TTL), backend=MemoryBackend(server))
     with pytest.raises(BucketNotFoundError):
         await election.start()
 

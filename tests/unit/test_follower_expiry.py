@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from celery_nats_leader import Election, ElectionConfig, ElectionState
+from celery_nats_leader import ElectionConfig, ElectionState, KvElection
 from celery_nats_leader.clock import ManualClock
 from celery_nats_leader.config import constants as c
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryBucket, MemoryServer
@@ -79,9 +79,9 @@ async def old_leader(server: MemoryServer) -> tuple[MemoryBucket, int]:
 @pytest.fixture
 async def follower(
     server: MemoryServer, clock: ManualClock, old_leader: tuple[MemoryBucket, int]
-) -> AsyncIterator[tuple[Election, Transitions]]:
+) -> AsyncIterator[tuple[KvElection, Transitions]]:
     transitions = Transitions()
-    election = Election(CONFIG, backend=MemoryBackend(server), clock=clock, observer=transitions)
+    election = KvElection(CONFIG, backend=MemoryBackend(server), clock=clock, observer=transitions)
     await election.start()
     server.buckets["leaders"].ttl = 0  # from now on the store never expires the key
     assert election.state is ElectionState.FOLLOWER and election.leader_id == "old"
@@ -93,7 +93,7 @@ async def test_a_renewal_at_the_deadline_is_never_deleted_even_by_a_blind_follow
     server: MemoryServer,
     clock: ManualClock,
     old_leader: tuple[MemoryBucket, int],
-    follower: tuple[Election, Transitions],
+    follower: tuple[KvElection, Transitions],
 ) -> None:
     bucket, first = old_leader
     election, transitions = follower
@@ -118,7 +118,7 @@ async def test_a_renewal_at_the_deadline_is_never_deleted_even_by_a_blind_follow
 async def test_an_unrenewed_record_is_deleted_at_its_revision_after_ttl_and_margin(
     clock: ManualClock,
     old_leader: tuple[MemoryBucket, int],
-    follower: tuple[Election, Transitions],
+    follower: tuple[KvElection, Transitions],
 ) -> None:
     bucket, first = old_leader
     election, transitions = follower

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from celery_nats_leader import (
-    Election,
     ElectionConfig,
+    KvElection,
     LeaderContext,
     LeadershipLostError,
 )
@@ -45,11 +45,11 @@ class Runs:
 
 
 @pytest.fixture
-async def make() -> AsyncIterator[Callable[..., tuple[Election, MemoryBackend]]]:
+async def make() -> AsyncIterator[Callable[..., tuple[KvElection, MemoryBackend]]]:
     server = MemoryServer()
-    made: list[tuple[Election, MemoryBackend]] = []
+    made: list[tuple[KvElection, MemoryBackend]] = []
 
-    def factory(name: str, **overrides: object) -> tuple[Election, MemoryBackend]:
+    def factory(name: str, **overrides: object) -> tuple[KvElection, MemoryBackend]:
         options: dict[str, object] = {
             "role": "poller",
             "ttl": TTL,
@@ -58,7 +58,7 @@ async def make() -> AsyncIterator[Callable[..., tuple[Election, MemoryBackend]]]
         }
         options.update(overrides)
         backend = MemoryBackend(server)
-        election = Election(ElectionConfig(**options), backend=backend)  # type: ignore[arg-type]
+        election = KvElection(ElectionConfig(**options), backend=backend)  # type: ignore[arg-type]
         made.append((election, backend))
         return election, backend
 
@@ -93,7 +93,7 @@ def async_service(runs: Runs, who: str, *, linger: float = 0.0) -> Callable[...,
 
 
 async def test_async_service_hands_over_without_overlap(
-    make: Callable[..., tuple[Election, MemoryBackend]],
+    make: Callable[..., tuple[KvElection, MemoryBackend]],
 ) -> None:
     runs = Runs()
     a, _ = make("a")
@@ -118,7 +118,7 @@ async def test_async_service_hands_over_without_overlap(
 
 
 async def test_thread_service_sees_the_end_of_the_lease_on_time(
-    make: Callable[..., tuple[Election, MemoryBackend]],
+    make: Callable[..., tuple[KvElection, MemoryBackend]],
 ) -> None:
     runs = Runs()
     seen: dict[str, float] = {}
@@ -150,7 +150,7 @@ async def test_thread_service_sees_the_end_of_the_lease_on_time(
 
 
 async def test_leading_block_is_cancelled_when_the_term_ends(
-    make: Callable[..., tuple[Election, MemoryBackend]],
+    make: Callable[..., tuple[KvElection, MemoryBackend]],
 ) -> None:
     a, _ = make("a")
     await a.start()
@@ -178,7 +178,7 @@ async def test_leading_block_is_cancelled_when_the_term_ends(
 
 
 async def test_raising_service_is_restarted_while_leading(
-    make: Callable[..., tuple[Election, MemoryBackend]],
+    make: Callable[..., tuple[KvElection, MemoryBackend]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     attempts: list[float] = []
@@ -189,7 +189,7 @@ async def test_raising_service_is_restarted_while_leading(
             raise RuntimeError("upstream down")
         await asyncio.Event().wait()
 
-    monkeypatch.setattr("celery_nats_leader.election.services._FIRST_RESTART_DELAY", 0.02)
+    monkeypatch.setattr("celery_nats_leader.election.leader_services._FIRST_RESTART_DELAY", 0.02)
     a, _ = make("a")
     runner = a.run_while_leading(flaky)
     await a.start()
@@ -200,7 +200,7 @@ async def test_raising_service_is_restarted_while_leading(
 
 
 async def test_a_late_run_delays_the_next_terms_copy_instead_of_overlapping(
-    make: Callable[..., tuple[Election, MemoryBackend]],
+    make: Callable[..., tuple[KvElection, MemoryBackend]],
 ) -> None:
     runs = Runs()
 
@@ -227,7 +227,7 @@ async def test_a_late_run_delays_the_next_terms_copy_instead_of_overlapping(
 
 
 async def test_the_end_of_a_term_has_its_reason_while_the_transition_runs(
-    make: Callable[..., tuple[Election, MemoryBackend]],
+    make: Callable[..., tuple[KvElection, MemoryBackend]],
 ) -> None:
     # A service thread woken by the lease clock can read ``ctx.reason`` after
     # the election left LEADER and before the service's own transition hook

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from celery_nats_leader import DemoteReason, Election, ElectionConfig
+from celery_nats_leader import DemoteReason, ElectionConfig, KvElection
 from celery_nats_leader.clock import ManualClock
 from celery_nats_leader.errors import BackendTimeoutError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryBucket, MemoryServer
@@ -27,7 +27,7 @@ TTL = 1.0
 class Watched:
     """An election with a log of its promotions and demotions."""
 
-    def __init__(self, election: Election, backend: MemoryBackend) -> None:
+    def __init__(self, election: KvElection, backend: MemoryBackend) -> None:
         self.election = election
         self.backend = backend
         self.promotions: list[int] = []
@@ -60,7 +60,7 @@ def server() -> MemoryServer:
 async def candidate(server: MemoryServer, clock: ManualClock) -> AsyncIterator[Watched]:
     backend = MemoryBackend(server)
     config = ElectionConfig(role="beat", ttl=TTL, instance_id="a", create_bucket=True)
-    watched = Watched(Election(config, backend=backend, clock=clock), backend)
+    watched = Watched(KvElection(config, backend=backend, clock=clock), backend)
     yield watched
     backend.connected = True
     await watched.election.stop()
@@ -72,7 +72,7 @@ async def _turns(n: int = 50) -> None:
         await asyncio.sleep(0)
 
 
-async def _step(election: Election, clock: ManualClock, seconds: float) -> None:
+async def _step(election: KvElection, clock: ManualClock, seconds: float) -> None:
     clock.advance(seconds)
     election.wake()
     await _turns()
@@ -154,7 +154,7 @@ async def test_background_validation_finds_a_foreign_record_and_demotes(
         create_bucket=True,
         validation_interval=1.5 * heartbeat,
     )
-    a = Watched(Election(config, backend=backend, clock=clock), backend)
+    a = Watched(KvElection(config, backend=backend, clock=clock), backend)
     try:
         await a.election.start()
         await _step(a.election, clock, heartbeat)  # renewed at t0 + 1 heartbeat
@@ -183,7 +183,7 @@ class DriftingClock:
         return 1000.0 + (self._true.monotonic() - self._origin) * self._rate
 
 
-def _cut_off(monkeypatch: pytest.MonkeyPatch, backend: MemoryBackend, election: Election) -> None:
+def _cut_off(monkeypatch: pytest.MonkeyPatch, backend: MemoryBackend, election: KvElection) -> None:
     """Every write and read of ``backend`` times out at once, its watch goes silent.
 
     A leader partitioned from the store, with nothing to tell it so.
@@ -230,7 +230,7 @@ async def test_the_lease_margin_covers_clock_rate_drift_up_to_the_documented_bou
     rates = {"a": leader_rate, "b": follower_rate}
     elections = {
         name: Watched(
-            Election(
+            KvElection(
                 ElectionConfig(role="beat", ttl=TTL, instance_id=name, create_bucket=True),
                 backend=backends[name],
                 clock=DriftingClock(true, rates[name]),
@@ -300,7 +300,7 @@ async def test_a_leader_whose_renewal_hangs_steps_down_at_the_last_lease_end(
     renewals = _Renewals()
     backend = MemoryBackend(MemoryServer())
     config = ElectionConfig(role="beat", ttl=TTL, instance_id="a", create_bucket=True)
-    watched = Watched(Election(config, backend=backend, observer=renewals), backend)
+    watched = Watched(KvElection(config, backend=backend, observer=renewals), backend)
     election = watched.election
     demoted = asyncio.Event()
     election.on_demote(lambda reason: demoted.set())

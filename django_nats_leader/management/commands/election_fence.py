@@ -4,7 +4,7 @@ The leader is first asked to hand over (the ``election_resign`` request); a
 live leader steps down before anyone else can lead, with no overlap. A leader
 that does not answer within ``--handover-wait`` (stuck, paused, cut off) is
 fenced: a conditional update at the observed revision replaces its record
-with a fence marker (see :mod:`celery_nats_leader.ops.fence`), every fenced
+with a fence marker (see :mod:`celery_nats_leader.ops.fence_leader`), every fenced
 check of the old term fails from then on, and a live candidate takes the role
 in milliseconds instead of after the TTL.
 
@@ -35,7 +35,7 @@ from django.db import DatabaseError
 
 from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.errors import ElectionError
-from celery_nats_leader.ops.fence import (
+from celery_nats_leader.ops.fence_leader import (
     DEFAULT_HANDOVER_WAIT,
     FenceOutcome,
     fence_lines,

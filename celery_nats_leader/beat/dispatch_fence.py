@@ -1,0 +1,314 @@
+"""The worker-side half of the beat fence: refuse tasks sent under an ended term.
+
+The leader scheduler (:mod:`celery_nats_leader.beat`) puts its term's epoch
+and the tick's identity in every message's headers (below); never the fencing
+token itself, which is a secret of the term (headers end up in logs, brokers
+and monitoring tools). The epoch is all the check needs: a term is stale once
+a newer one (a higher epoch) has begun. A task that opts
+in checks, before its body runs, that no newer term of the beat role has
+begun since (one KV read): :class:`FencedBeatTask` as the task base, or
+:func:`enforce_dispatch_token` / :func:`check_dispatch_token` from any hook
+that may raise (``Task.before_start``, the task's first line). A
+``task_prerun`` receiver cannot refuse a task: Celery logs and drops its
+exceptions.
+
+The price of the check: a message sent by a leader that then stopped, still
+queued when the next term begins, is refused too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from celery import Task
+
+from celery_nats_leader.config.settings import LeaderSettings, settings_of_app
+from celery_nats_leader.errors import ElectionError, RecordFormatError
+from celery_nats_leader.process_client import ProcessClient
+from celery_nats_leader.term import TermReader
+from celery_nats_leader.term.token import FencingToken
+from celery_nats_leader.worker.refused import NotRun
+
+if TYPE_CHECKING:
+    from celery_nats_leader.nats.connection import ConnectOptions
+
+__all__ = [
+    "DISPATCHER_HEADER",
+    "ENTRY_HEADER",
+    "EPOCH_HEADER",
+    "ONCE_HEADER",
+    "ROLE_HEADER",
+    "RUN_HEADER",
+    "TICK_HEADER",
+    "TOKEN_HEADER",
+    "DispatchCheck",
+    "DispatchFence",
+    "FencedBeatTask",
+    "check_dispatch_token",
+    "enforce_dispatch_token",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Message header: the epoch of the term that dispatched the task (an integer).
+EPOCH_HEADER = "nats_leader_epoch"
+#: Message header of messages sent by older versions: the whole fencing token
+#: (``"<epoch>:<value>"``). No longer sent; still read (its epoch only).
+TOKEN_HEADER = "nats_leader_token"
+#: Message header: ``True`` when workers with the bootstep run this tick once
+#: (the once-guard keyed by its per-tick task id); ``False`` for entries and
+#: schedulers that opted out.
+ONCE_HEADER = "nats_leader_once"
+#: Message header: the beat role whose leader dispatched the task.
+ROLE_HEADER = "nats_leader_role"
+#: Message header: the periodic entry's name.
+ENTRY_HEADER = "nats_leader_entry"
+#: Message header: the tick's slot (ISO 8601, UTC), its identity.
+TICK_HEADER = "nats_leader_tick"
+#: Message header: the entry's run number of this tick (1 for the first run).
+RUN_HEADER = "nats_leader_run"
+#: Message header: the instance id of the scheduler that dispatched it.
+DISPATCHER_HEADER = "nats_leader_dispatcher"
+
+
+@dataclass(frozen=True)
+class DispatchCheck:
+    """The answer of :func:`check_dispatch_token`.
+
+    Attributes:
+        fenced: Whether the message carried a beat epoch at all.
+        ok: Whether the task may run.
+        certain: ``False`` when the current term could not be read (the
+            answer is then ``ok=False``: fail closed).
+        role: The role named in the message.
+        epoch: The epoch of the term that dispatched the message.
+        current_epoch: The epoch of the role's current term, if read.
+        reason: Why it may not run ("" when it may).
+
+    """
+
+    fenced: bool
+    ok: bool
+    certain: bool = True
+    role: str | None = None
+    epoch: int | None = None
+    current_epoch: int | None = None
+    reason: str = ""
+
+
+def _request_headers(request: Any) -> Mapping[str, Any]:
+    """Our headers from a task request: Celery exposes custom headers both ways."""
+    found: dict[str, Any] = {}
+    headers = getattr(request, "headers", None)
+    if isinstance(headers, Mapping):
+        found.update(headers)
+    for name in (EPOCH_HEADER, TOKEN_HEADER, ROLE_HEADER, ENTRY_HEADER, TICK_HEADER, ONCE_HEADER):
+        value = getattr(request, name, None)
+        if value is not None and name not in found:
+            found[name] = value
+    return found
+
+
+class DispatchFence:
+    """Reads the current term of a role, for the worker-side check.
+
+    One per process and settings (:meth:`for_settings`), kept by the
+    process's :class:`~celery_nats_leader.process_client.ProcessClient`; it
+    reads through a :class:`~celery_nats_leader.term.TermReader` (the
+    process's one connection, opened at first use), and remembers the highest
+    epoch it has seen (epochs only grow), so that epochs older than that are
+    refused without a round trip.
+
+    Args:
+        connection: Where and how to connect.
+        bucket: The election bucket.
+        timeout: Seconds per read.
+
+    """
+
+    def __init__(self, connection: ConnectOptions, bucket: str, *, timeout: float = 2.0) -> None:
+        self.bucket_name = bucket
+        self.timeout = timeout
+        self.reader = TermReader(connection, bucket)
+        self._highest: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_settings(cls, settings: LeaderSettings) -> DispatchFence:
+        """The fence of this process for ``settings`` (created on first use)."""
+        return ProcessClient.for_settings(settings).shared(
+            ("fence", settings.bucket),
+            lambda _client: cls(
+                settings.connection,
+                settings.bucket,
+                timeout=settings.election_config(settings.beat_role).request_timeout * 4,
+            ),
+        )
+
+    def current_epoch(self, role: str) -> int | None:
+        """The epoch of ``role``'s current term (``None``: nobody leads it now).
+
+        A value that is not a leader record counts as a term newer than any
+        before it (its revision).
+
+        Raises:
+            ElectionError: The term could not be read.
+
+        """
+        term = self.reader.read(role, timeout=self.timeout)
+        if term is None:
+            return None
+        with self._lock:
+            self._highest[role] = max(self._highest.get(role, 0), term.epoch)
+        return term.epoch
+
+    def highest_epoch(self, role: str) -> int:
+        """The highest epoch of ``role`` seen by this process (0 if none)."""
+        return self._highest.get(role, 0)
+
+    def check(self, role: str, epoch: int) -> DispatchCheck:
+        """Whether a message sent by the term of ``epoch`` may still run.
+
+        It may not when a term newer than ``epoch`` began (its epoch is
+        higher). When nobody leads the role right now, no newer term is known
+        and it may. On any doubt it may not (``certain=False``).
+        """
+        highest = self.highest_epoch(role)
+        if epoch < highest:
+            return DispatchCheck(
+                True,
+                False,
+                role=role,
+                epoch=epoch,
+                current_epoch=highest,
+                reason=f"dispatched under epoch {epoch}; a newer term ({highest}) began",
+            )
+        try:
+            current = self.current_epoch(role)
+        except ElectionError as exc:
+            return DispatchCheck(
+                True,
+                False,
+                certain=False,
+                role=role,
+                epoch=epoch,
+                reason=f"the current term of {role!r} could not be read: {exc}",
+            )
+        if current is not None and current > epoch:
+            return DispatchCheck(
+                True,
+                False,
+                role=role,
+                epoch=epoch,
+                current_epoch=current,
+                reason=f"dispatched under epoch {epoch}; the current term is {current}",
+            )
+        return DispatchCheck(True, True, role=role, epoch=epoch, current_epoch=current)
+
+
+def check_dispatch_token(request: Any, app: Any) -> DispatchCheck:
+    """Check the beat epoch a task message carries against its role's current term.
+
+    The worker-side half of the fence, for the integration to call before a
+    task runs (``Task.before_start``, or a task's first line). One KV read per
+    fenced message; messages without the header are not beat dispatches and
+    pass. The epoch comes from the ``nats_leader_epoch`` header, or from the
+    token header of a message queued by an older version.
+
+    Args:
+        request: The task's request (``task.request``).
+        app: The Celery app (for the ``nats_leader_*`` settings).
+
+    Returns:
+        The verdict: ``ok`` is ``False`` when the message's term is older than
+        the current one, its epoch malformed, or (``certain=False``) unverifiable.
+
+    """
+    headers = _request_headers(request)
+    raw_epoch = headers.get(EPOCH_HEADER)
+    raw_token = headers.get(TOKEN_HEADER)
+    if raw_epoch is None and raw_token is None:
+        return DispatchCheck(False, True, reason="not dispatched by a leader scheduler")
+    settings = settings_of_app(app)
+    role = str(headers.get(ROLE_HEADER) or settings.beat_role)
+    try:
+        if raw_epoch is not None:
+            epoch = _parse_epoch(raw_epoch)
+        else:
+            epoch = FencingToken.from_header(str(raw_token)).epoch
+    except RecordFormatError as exc:
+        return DispatchCheck(True, False, role=role, reason=f"malformed epoch header: {exc}")
+    return DispatchFence.for_settings(settings).check(role, epoch)
+
+
+def _parse_epoch(raw: Any) -> int:
+    """An epoch header's value (an int, or its decimal text after a string-only transport)."""
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw > 0:
+        return raw
+    if isinstance(raw, str) and raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    raise RecordFormatError(f"not an epoch: {str(raw)[:20]!r}")
+
+
+def enforce_dispatch_token(task: Any, *, retry_countdown: float = 1.0) -> DispatchCheck:
+    """Refuse to run ``task`` if it was dispatched under an ended beat term.
+
+    * stale or malformed epoch: logged at WARNING, the task is ignored
+      (:class:`celery.exceptions.Ignore`: acknowledged, not run, not retried);
+    * the term could not be read: the task is retried after
+      ``retry_countdown`` seconds (a new message with the same headers), so
+      nothing is lost while NATS is unreachable;
+    * no epoch (not a beat dispatch) or a current one: it runs.
+
+    Args:
+        task: The bound task (``self`` in a ``bind=True`` task).
+        retry_countdown: Seconds before re-checking on doubt.
+
+    Returns:
+        The verdict, when the task may run.
+
+    Raises:
+        Ignore: The message's term has ended.
+        Retry: The term could not be read.
+
+    """
+    verdict = check_dispatch_token(task.request, task.app)
+    if verdict.ok:
+        return verdict
+    headers = _request_headers(task.request)
+    if not verdict.certain:
+        logger.warning(
+            "%s[%s]: cannot check its beat epoch yet (%s); retrying in %gs",
+            task.name,
+            task.request.id,
+            verdict.reason,
+            retry_countdown,
+        )
+        raise task.retry(countdown=retry_countdown, max_retries=None)
+    logger.warning(
+        "%s[%s]: not run: %s (entry %r, tick %s)",
+        task.name,
+        task.request.id,
+        verdict.reason,
+        headers.get(ENTRY_HEADER),
+        headers.get(TICK_HEADER),
+    )
+    raise NotRun()
+
+
+class FencedBeatTask(Task):  # type: ignore[misc]  # Celery is untyped
+    """Task base that refuses messages sent by a beat scheduler whose term ended.
+
+    ``@app.task(base=FencedBeatTask)``: before the body runs, the beat epoch
+    in the message is checked against KV (see :func:`enforce_dispatch_token`).
+    Tasks sent without one (not by a leader scheduler) run as usual.
+    """
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        """Check the message's beat epoch before the body runs."""
+        enforce_dispatch_token(self)
+        super().before_start(task_id, args, kwargs)
