@@ -257,6 +257,10 @@ class BeatCluster:
         if database is not None:
             self.config["django"] = True
         self.scheduler = scheduler
+        #: A program each ``celery beat`` is started under (its argv prefix),
+        #: e.g. single-beat; with its environment variables.
+        self.beat_wrapper: list[str] = []
+        self.wrapper_env: dict[str, str] = {}
         asyncio.run(create_buckets(nats_server.url, ttl))
         self.recorder = KVRecorder(nats_server.url)
         self.recorder.start()
@@ -323,6 +327,7 @@ class BeatCluster:
         proc = Proc(
             f"beat{index}",
             [
+                *self.beat_wrapper,
                 CELERY,
                 "-A",
                 "cnl_beat_app",
@@ -334,7 +339,7 @@ class BeatCluster:
                 "-l",
                 "INFO",
             ],
-            env=self.env,
+            env={**self.env, **self.wrapper_env},
             log_path=self.tmp / f"beat{index}.log",
             cwd=HERE,
         )

@@ -1,7 +1,8 @@
 """Migrating to the leader scheduler from each previous scheduler, as docs/migrating.md says.
 
 For each previous scheduler, the real one runs first (``celery beat`` with
-Celery's ``PersistentScheduler``, celery-redbeat on Redis, django-celery-beat's
+Celery's ``PersistentScheduler``, the same under single-beat on two hosts
+with its Redis lock, celery-redbeat on Redis, django-celery-beat's
 ``DatabaseScheduler`` on PostgreSQL) and sends a 2-second interval entry to a
 real worker; then the documented cut-over: stop it gracefully, seed our state
 from its storage (``celery nats-leader seed-beat`` / ``manage.py
@@ -151,6 +152,56 @@ def test_from_celerys_persistent_scheduler(
          "--shelve", str(tmp_path / "schedule0")],
     )  # fmt: skip
     start_ours_and_check(cluster, "nats_leader", seeded, stopped)
+
+
+def test_from_single_beat(cluster_factory: Callable[..., BeatCluster], tmp_path: Path) -> None:
+    """single-beat on two hosts ran Celery's PersistentScheduler on one of them."""
+    require_service("redis (single-beat)", REDIS_URL)
+    import redis
+
+    identifier = f"cnl-migrate-{uuid.uuid4().hex[:10]}"
+    cluster = cluster_factory(entries=ENTRIES, scheduler="celery.beat:PersistentScheduler", ttl=TTL)
+    cluster.beat_wrapper = [str(Path(sys.executable).parent / "single-beat")]
+    cluster.wrapper_env = {
+        "SINGLE_BEAT_REDIS_SERVER": REDIS_URL,
+        "SINGLE_BEAT_IDENTIFIER": identifier,
+        "SINGLE_BEAT_LOCK_TIME": "5",
+        "SINGLE_BEAT_HEARTBEAT_INTERVAL": "1",
+        "SINGLE_BEAT_LOG_LEVEL": "info",
+    }
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        cluster.start_worker()
+        hosts = [cluster.start_beat(), cluster.start_beat()]
+        deadline = time.monotonic() + 60
+        while len(old_runs(cluster)) < 3:
+            assert all(h.alive for h in hosts), [h.log()[-3000:] for h in hosts]
+            assert time.monotonic() < deadline, cluster.diagnostics()
+            # Nothing to await but the worker's ledger rows (another process's writes).
+            time.sleep(0.1)
+        # The cut-over's first step: stop single-beat on every host (it
+        # stops its celery beat child with SIGTERM).
+        for host in hosts:
+            host.signal(signal.SIGTERM)
+        for host in hosts:
+            assert host.wait(30) == 0, host.log()[-3000:]
+        stopped = time.time()
+        # Only the host whose single-beat held the lock ran celery beat and
+        # wrote a schedule file: seed from that one.
+        written = [i for i in (0, 1) if list(tmp_path.glob(f"schedule{i}*"))]
+        assert len(written) == 1, sorted(p.name for p in tmp_path.iterdir())
+        seeded = seed(
+            cluster,
+            [CELERY, "-A", "cnl_beat_app", "nats-leader", "seed-beat", "--json",
+             "--shelve", str(tmp_path / f"schedule{written[0]}")],
+        )  # fmt: skip
+        # Then celery beat -S nats_leader directly, without single-beat.
+        cluster.beat_wrapper, cluster.wrapper_env = [], {}
+        start_ours_and_check(cluster, "nats_leader", seeded, stopped)
+    finally:
+        for key in client.scan_iter(f"*{identifier}*"):
+            client.delete(key)
+        client.close()
 
 
 def test_from_celery_redbeat(cluster_factory: Callable[..., BeatCluster]) -> None:
