@@ -55,23 +55,31 @@ def old_runs(cluster: BeatCluster) -> list[Run]:
     return [r for r in cluster.ledger.runs("cnl_beat.record") if r.tick is None]
 
 
-def run_old_then_stop(cluster: BeatCluster, runs: int = 3) -> float:
+def run_old_then_stop(cluster: BeatCluster, runs: int = 3, hosts: int = 1) -> float:
     """Run the previous scheduler until the worker ran ``runs`` ticks, then stop it (SIGTERM).
+
+    Args:
+        cluster: Where it runs.
+        runs: Ticks to see first.
+        hosts: Beat processes started (under a wrapper such as single-beat,
+            which runs the scheduler on one of them).
 
     Returns:
         When it had stopped (wall clock).
 
     """
     cluster.start_worker()
-    old = cluster.start_beat()
+    old = [cluster.start_beat() for _ in range(hosts)]
     deadline = time.monotonic() + 60
     while len(old_runs(cluster)) < runs:
-        assert old.alive, old.log()[-3000:]
+        assert all(proc.alive for proc in old), [proc.log()[-3000:] for proc in old]
         assert time.monotonic() < deadline, cluster.diagnostics()
         # Nothing to await but the worker's ledger rows (another process's writes).
         time.sleep(0.1)
-    old.signal(signal.SIGTERM)
-    assert old.wait(30) == 0, old.log()[-3000:]
+    for proc in old:
+        proc.signal(signal.SIGTERM)
+    for proc in old:
+        assert proc.wait(30) == 0, proc.log()[-3000:]
     return time.time()
 
 
@@ -171,21 +179,9 @@ def test_from_single_beat(cluster_factory: Callable[..., BeatCluster], tmp_path:
     }
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        cluster.start_worker()
-        hosts = [cluster.start_beat(), cluster.start_beat()]
-        deadline = time.monotonic() + 60
-        while len(old_runs(cluster)) < 3:
-            assert all(h.alive for h in hosts), [h.log()[-3000:] for h in hosts]
-            assert time.monotonic() < deadline, cluster.diagnostics()
-            # Nothing to await but the worker's ledger rows (another process's writes).
-            time.sleep(0.1)
-        # The cut-over's first step: stop single-beat on every host (it
-        # stops its celery beat child with SIGTERM).
-        for host in hosts:
-            host.signal(signal.SIGTERM)
-        for host in hosts:
-            assert host.wait(30) == 0, host.log()[-3000:]
-        stopped = time.time()
+        # single-beat on two hosts; the cut-over's first step stops it on
+        # both (it stops its celery beat child with SIGTERM).
+        stopped = run_old_then_stop(cluster, hosts=2)
         # Only the host whose single-beat held the lock ran celery beat and
         # wrote a schedule file: seed from that one.
         written = [i for i in (0, 1) if list(tmp_path.glob(f"schedule{i}*"))]
