@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Task
 
+from celery_nats_leader.backend import Operation
+from celery_nats_leader.beat.schedule_store import decode_state, state_key
 from celery_nats_leader.config.settings import LeaderSettings, settings_of_app
 from celery_nats_leader.errors import ElectionError, RecordFormatError
 from celery_nats_leader.process_client import ProcessClient
@@ -123,16 +125,32 @@ class DispatchFence:
     epoch it has seen (epochs only grow), so that epochs older than that are
     refused without a round trip.
 
+    When nobody leads the role, a newer term may still have begun and ended
+    since the message was sent (its successor resigned, its key expired)
+    unseen by this process: the entry's schedule state, in ``state_bucket``,
+    says which term dispatched the entry last, and a newer one refuses the
+    message too.
+
     Args:
         connection: Where and how to connect.
         bucket: The election bucket.
         timeout: Seconds per read.
+        state_bucket: The beat schedule's state bucket (``None``: not read).
 
     """
 
-    def __init__(self, connection: ConnectOptions, bucket: str, *, timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        connection: ConnectOptions,
+        bucket: str,
+        *,
+        timeout: float = 2.0,
+        state_bucket: str | None = None,
+    ) -> None:
         self.bucket_name = bucket
+        self.state_bucket = state_bucket
         self.timeout = timeout
+        self.connection = connection
         self.reader = TermReader(connection, bucket)
         self._highest: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -146,6 +164,7 @@ class DispatchFence:
                 settings.connection,
                 settings.bucket,
                 timeout=settings.election_config(settings.beat_role).request_timeout * 4,
+                state_bucket=settings.beat_state_bucket,
             ),
         )
 
@@ -166,16 +185,46 @@ class DispatchFence:
             self._highest[role] = max(self._highest.get(role, 0), term.epoch)
         return term.epoch
 
+    def dispatched_epoch(self, role: str, entry: str) -> int:
+        """The epoch of the term that last dispatched ``entry`` of ``role`` (0: none recorded).
+
+        Raises:
+            ElectionError: The state could not be read.
+
+        """
+        if self.state_bucket is None:
+            return 0
+        client = ProcessClient.for_connection(self.connection)
+        state_bucket = self.state_bucket
+
+        async def read() -> int:
+            bucket = await client.bucket(state_bucket, timeout=self.timeout)
+            found = await bucket.get(state_key(role, entry), timeout=self.timeout)
+            if found is None or found.operation is not Operation.PUT:
+                return 0
+            try:
+                return decode_state(found.value, found.revision).epoch
+            except RecordFormatError:
+                return 0  # not a state of ours: it says nothing of terms
+
+        epoch = client.run(
+            read(), self.timeout + 1.0, what=f"could not read the schedule state of {entry!r}"
+        )
+        with self._lock:
+            self._highest[role] = max(self._highest.get(role, 0), epoch)
+        return epoch
+
     def highest_epoch(self, role: str) -> int:
         """The highest epoch of ``role`` seen by this process (0 if none)."""
         return self._highest.get(role, 0)
 
-    def check(self, role: str, epoch: int) -> DispatchCheck:
+    def check(self, role: str, epoch: int, entry: str | None = None) -> DispatchCheck:
         """Whether a message sent by the term of ``epoch`` may still run.
 
         It may not when a term newer than ``epoch`` began (its epoch is
-        higher). When nobody leads the role right now, no newer term is known
-        and it may. On any doubt it may not (``certain=False``).
+        higher): the current term's, or, when nobody leads the role right now,
+        the term that last dispatched ``entry`` (its schedule state). On any
+        doubt it may not (``certain=False``).
         """
         highest = self.highest_epoch(role)
         if epoch < highest:
@@ -207,6 +256,29 @@ class DispatchFence:
                 current_epoch=current,
                 reason=f"dispatched under epoch {epoch}; the current term is {current}",
             )
+        if current is None and entry is not None:
+            try:
+                dispatched = self.dispatched_epoch(role, entry)
+            except ElectionError as exc:
+                return DispatchCheck(
+                    True,
+                    False,
+                    certain=False,
+                    role=role,
+                    epoch=epoch,
+                    reason=f"nobody leads {role!r} and the state of {entry!r} could not be read: "
+                    f"{exc}",
+                )
+            if dispatched > epoch:
+                return DispatchCheck(
+                    True,
+                    False,
+                    role=role,
+                    epoch=epoch,
+                    current_epoch=dispatched,
+                    reason=f"dispatched under epoch {epoch}; a newer term ({dispatched}) has "
+                    f"dispatched {entry!r} since",
+                )
         return DispatchCheck(True, True, role=role, epoch=epoch, current_epoch=current)
 
 
@@ -242,7 +314,10 @@ def check_dispatch_token(request: Any, app: Any) -> DispatchCheck:
             epoch = FencingToken.from_header(str(raw_token)).epoch
     except RecordFormatError as exc:
         return DispatchCheck(True, False, role=role, reason=f"malformed epoch header: {exc}")
-    return DispatchFence.for_settings(settings).check(role, epoch)
+    entry = headers.get(ENTRY_HEADER)
+    return DispatchFence.for_settings(settings).check(
+        role, epoch, str(entry) if entry is not None else None
+    )
 
 
 def _parse_epoch(raw: Any) -> int:

@@ -92,6 +92,10 @@ class DaemonExecutor(concurrent.futures.Executor):
                 future.set_exception(exc)
 
 
+class CallbackCancelledError(Exception):
+    """A callback's own task was cancelled while the runner was not stopping."""
+
+
 class CallbackRunner:
     """Runs callbacks sequentially on an event loop.
 
@@ -164,6 +168,11 @@ class CallbackRunner:
         try:
             while True:
                 await asyncio.wait({call}, timeout=limit - waited)
+                if call.cancelled():
+                    # The callback cancelled itself (it awaited something a
+                    # closed connection cancelled): its error, not the
+                    # runner's; the callbacks after it still run.
+                    raise CallbackCancelledError(f"callback {callback!r} was cancelled")
                 if call.done():
                     return call.result()
                 waited = limit
@@ -176,7 +185,12 @@ class CallbackRunner:
                 )
                 limit *= 2
         except asyncio.CancelledError:
+            # The runner is stopping: the callback unwinds (its finally
+            # blocks run) before stop() returns, as when it ran in the
+            # runner's own task. A synchronous one keeps its thread.
             call.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait({call})
             raise
 
     async def stop(self, timeout: float | None = None) -> None:

@@ -505,6 +505,10 @@ class JetStreamBackend:
 
     async def _rewatch(self) -> None:
         for name, shared in list(self._watches.items()):
+            # A watch whose first start is still under way is restarted only
+            # once that start has ended: replacing it now would leave the start's
+            # watch running beside ours (and, if the start failed, ours unowned).
+            await shared.ready.wait()
             delay = _REWATCH_FIRST_DELAY
             while self._watches.get(name) is shared and self.nc.is_connected:
                 try:

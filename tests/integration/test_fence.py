@@ -15,13 +15,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from datetime import datetime, timezone
 
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.js.api import KeyValueConfig
 
 from celery_nats_leader import DemoteReason, ElectionConfig, Elector
 from celery_nats_leader.beat.dispatch_fence import DispatchFence
+from celery_nats_leader.beat.schedule_store import EntryState, encode_state, state_key
 from celery_nats_leader.config.constants import RESIGN_VERB
 from celery_nats_leader.election.base import control_subject
 from celery_nats_leader.errors import NotLeaderError
@@ -309,44 +312,76 @@ async def test_a_leader_that_releases_while_its_answer_is_late_is_reported_as_ha
     assert outcome.revision == released[0] > revision
 
 
-async def test_beat_messages_of_a_fenced_term_are_refused_before_a_successor_leads(
+async def test_beat_messages_of_an_ended_term_are_refused_with_nobody_leading(
     slow_group: CandidateGroup, fence_bucket: str, operator: Client, nats_server: NatsServer
 ) -> None:
-    """The workers' dispatch fence reads the marker as a newer term, with nobody leading yet.
+    """The workers' dispatch fence while the role is vacant (its key deleted or fenced).
 
-    A term that ended without a newer one (its leader resigned: a delete) is not
-    refused: no newer term began (invariant 2), the queued ticks of a clean stop
-    still run, and a successor's re-send of a tick is stopped by the once-guard.
+    A term that ended with no newer one since (its leader resigned) is not
+    refused: its queued ticks still run. A newer term that began and ended
+    since is known from the entry's schedule state (it dispatched the entry)
+    or from a fence marker, even by a worker process that never saw it lead.
     """
     group = slow_group
-    group.spawn("a")
-    first = await in_thread(group.wait_for, "promoted", {"a"}, timeout=FENCE_TTL + SLACK)
-    fence = DispatchFence(ConnectOptions(servers=(nats_server.url,)), fence_bucket)
-    try:
-        assert (await in_thread(fence.check, ROLE, first["epoch"])).ok
+    state_bucket = f"{fence_bucket}_beat"
+    await operator.jetstream().create_key_value(KeyValueConfig(bucket=state_bucket, history=1))
+    connection = ConnectOptions(servers=(nats_server.url,))
 
-        # Resigned (its key deleted), nobody leads: its messages still run.
+    def fresh_fence() -> DispatchFence:
+        # A worker process that has seen none of the terms below lead.
+        return DispatchFence(connection, fence_bucket, state_bucket=state_bucket)
+
+    async def dispatched(entry: str, epoch: int) -> None:
+        # What a leader's commit writes: the entry's state, with its epoch.
+        state = EntryState(entry=entry, slot=datetime.now(timezone.utc), runs=1, epoch=epoch)
+        kv = await operator.jetstream().key_value(state_bucket)
+        await kv.put(state_key(ROLE, entry), encode_state(state))
+
+    fence = fresh_fence()
+    try:
+        group.spawn("a")
+        first = await in_thread(group.wait_for, "promoted", {"a"}, timeout=FENCE_TTL + SLACK)
+        await dispatched("nightly", first["epoch"])
+        assert (await in_thread(fence.check, ROLE, first["epoch"], "nightly")).ok
+
+        # a resigned (its key deleted), nobody leads: its messages still run.
         await in_thread(group.resign, "a")
-        vacant = await in_thread(fence.check, ROLE, first["epoch"])
+        vacant = await in_thread(fresh_fence().check, ROLE, first["epoch"], "nightly")
         assert (vacant.ok, vacant.current_epoch) == (True, None)
 
-        # The next term, b's, is fenced while b is paused, with nobody to
-        # succeed it (a, which would retake the role after a TTL, is gone).
+        # b leads, dispatches the entry, resigns: the role is vacant again,
+        # and a's late message (a paused scheduler's) is refused by the state.
         group.spawn("b")
         second = await in_thread(group.wait_for, "promoted", {"b"}, timeout=FENCE_TTL + SLACK)
-        await in_thread(group["b"].pause)
-        group["a"].kill()
+        await dispatched("nightly", second["epoch"])
+        await in_thread(group.resign, "b")
+        late = await in_thread(fresh_fence().check, ROLE, first["epoch"], "nightly")
+        assert (late.ok, late.certain, late.current_epoch) == (False, True, second["epoch"])
+        assert late.reason == (
+            f"dispatched under epoch {first['epoch']}; a newer term ({second['epoch']}) has "
+            "dispatched 'nightly' since"
+        )
+        assert (await in_thread(fresh_fence().check, ROLE, second["epoch"], "nightly")).ok
+
+        # c's term is fenced while c is paused, with nobody to succeed it (a
+        # and b, which would retake the role after a TTL, are gone): the
+        # marker is a newer term, whatever the entry.
+        for name in ("a", "b"):
+            group[name].kill()
+        group.spawn("c")
+        third = await in_thread(group.wait_for, "promoted", {"c"}, timeout=FENCE_TTL + SLACK)
+        await in_thread(group["c"].pause)
         outcome = await fence_leader(
             JetStreamBackend(operator), fence_bucket, ROLE, requester="test", handover_wait=0
         )
         assert outcome.successor is None  # nobody leads: the marker holds the key
-        refused = await in_thread(fence.check, ROLE, second["epoch"])
+        refused = await in_thread(fresh_fence().check, ROLE, third["epoch"], "weekly")
         assert (refused.ok, refused.certain) == (False, True)
-        assert refused.current_epoch == outcome.revision > second["epoch"]
+        assert refused.current_epoch == outcome.revision > third["epoch"]
         assert refused.reason == (
-            f"dispatched under epoch {second['epoch']}; the current term is {outcome.revision}"
+            f"dispatched under epoch {third['epoch']}; the current term is {outcome.revision}"
         )
-        await in_thread(group["b"].resume)
-        await in_thread(group.wait_for, "demoted", {"b"}, timeout=5)
+        await in_thread(group["c"].resume)
+        await in_thread(group.wait_for, "demoted", {"c"}, timeout=5)
     finally:
         await in_thread(fence.reader.close)

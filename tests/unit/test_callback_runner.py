@@ -74,3 +74,42 @@ async def test_a_callback_that_returns_in_time_is_not_reported(
     await runner.stop(timeout=1)
     assert seen == ["reports", "reports"]
     assert [r for r in caplog.records if "still running" in r.getMessage()] == []
+
+
+async def test_stop_returns_after_a_cancelled_callback_has_unwound() -> None:
+    order: list[str] = []
+
+    async def on_demote(role: str) -> None:
+        try:
+            await asyncio.Event().wait()  # never returns
+        finally:
+            order.append("cleanup started")
+            await asyncio.sleep(0)  # cleanup that itself awaits (closing a client)
+            order.append("cleanup done")
+
+    runner = CallbackRunner("reports")
+    runner.start()
+    runner.submit([on_demote], "reports")
+    await runner.stop(timeout=0.1)
+    order.append("stop returned")
+    assert order == ["cleanup started", "cleanup done", "stop returned"]
+
+
+async def test_a_callback_cancelled_on_its_own_does_not_stop_the_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.ERROR, logger="celery_nats_leader.election.callbacks")
+    ran: list[str] = []
+
+    async def on_promote(role: str) -> None:
+        # What a callback sees when something it awaits is cancelled under it.
+        raise asyncio.CancelledError
+
+    runner = CallbackRunner("reports")
+    runner.start()
+    runner.submit([on_promote], "reports")
+    await asyncio.wait_for(runner.submit([ran.append], "reports"), 5)
+    await runner.stop(timeout=1)
+    assert ran == ["reports"]
+    (record,) = [r for r in caplog.records if "raised" in r.getMessage()]
+    assert "on_promote" in record.getMessage()

@@ -68,3 +68,22 @@ async def test_a_reconnect_during_a_restart_leaves_one_watch() -> None:
     # that came during it; each replaced the watch before it.
     assert bucket.starts == 3
     assert bucket.live == 1
+
+
+async def test_a_reconnect_during_the_first_start_leaves_one_watch() -> None:
+    backend = JetStreamBackend(Connection())  # type: ignore[arg-type]
+    bucket = SlowBucket()
+    bucket.finish.clear()
+    first = asyncio.ensure_future(backend.shared_watch(bucket))  # type: ignore[arg-type]
+    await bucket.entered.wait()  # the first start is inside watch_all()
+    backend.reconnected()
+    bucket.finish.set()
+    shared = await asyncio.wait_for(first, 5)
+    task = backend._rewatch_task
+    assert task is not None
+    await asyncio.wait_for(task, 5)
+    # The restart waited for the first start, then replaced its watch.
+    assert (bucket.starts, bucket.live) == (2, 1)
+    assert shared.stop is not None
+    await shared.stop()
+    assert bucket.live == 0
