@@ -226,8 +226,10 @@ async def connect(
             f"could not connect to NATS at {', '.join(options.servers)} within {timeout:g}s: "
             f"{reason}"
         ) from exc
-    except asyncio.CancelledError:
-        await _close_quietly(nc)  # the caller gave up (a stop during start-up)
+    except BaseException:
+        # The caller gave up (a stop during start-up), or a user callback of
+        # the handshake raised (credentials, signature): the socket goes too.
+        await _close_quietly(nc)
         raise
     return nc
 
