@@ -44,9 +44,35 @@ def run_sync(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(factory())
+        return asyncio.run(_interruptible(factory))
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nats-leader-op") as pool:
-        return pool.submit(lambda: asyncio.run(factory())).result()
+        return pool.submit(lambda: asyncio.run(_interruptible(factory))).result()
+
+
+async def _interruptible(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """``factory()``, ending cancelled whenever a cancel was asked for (Ctrl-C).
+
+    In the main thread, ``asyncio.run`` answers Ctrl-C by cancelling its task,
+    and raises ``KeyboardInterrupt`` only if the task then ends cancelled. A
+    coroutine that answers the cancel with an error of its own (a connection
+    attempt cut short says "could not connect") would turn Ctrl-C into that
+    error, which callers polling for a state catch and retry: the interrupt
+    would be lost. (Python 3.10's ``asyncio.run`` lets ``KeyboardInterrupt``
+    through as raised.)
+    """
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+    try:
+        result = await factory()
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        if cancelling is not None and cancelling():
+            raise asyncio.CancelledError() from exc
+        raise
+    if cancelling is not None and cancelling():
+        raise asyncio.CancelledError()
+    return result
 
 
 def with_backend(

@@ -577,9 +577,18 @@ class NatsServer:
         logger.debug("starting %s", " ".join(cmd))
         # stderr (the log) and stdout both go to the log file, so that even
         # flag-parsing errors printed before logging is set up are captured.
+        # A session of its own: a terminal's Ctrl-C goes to the foreground
+        # process group, and would stop the server under the program that
+        # started it (which then waits on a dead server instead of cleaning
+        # up); that program stops it on its way out.
         with self._log_path.open("ab") as log:
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=True
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                close_fds=True,
+                start_new_session=True,
             )
         self._slot.proc = proc
         self._paused = False
