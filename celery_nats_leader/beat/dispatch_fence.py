@@ -207,12 +207,13 @@ class DispatchFence:
             except RecordFormatError:
                 return 0  # not a state of ours: it says nothing of terms
 
-        epoch = client.run(
+        # Not remembered as the role's highest epoch: a state written under
+        # another strategy's epochs (an ALLCALL beat role before the move to
+        # KV) must not refuse every later term; it is asked only while the
+        # role is vacant, and the next leader's dispatches overwrite it.
+        return client.run(
             read(), self.timeout + 1.0, what=f"could not read the schedule state of {entry!r}"
         )
-        with self._lock:
-            self._highest[role] = max(self._highest.get(role, 0), epoch)
-        return epoch
 
     def highest_epoch(self, role: str) -> int:
         """The highest epoch of ``role`` seen by this process (0 if none)."""
