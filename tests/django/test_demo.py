@@ -153,15 +153,23 @@ def test_demo_ctrl_c_stops_the_replicas_without_a_traceback(tmp_path: Path) -> N
         EXAMPLE_TTL="2",
         PYTHONUNBUFFERED="1",
     )
-    proc = subprocess.Popen(
-        [sys.executable, "manage.py", "demo", "--timeout", "60"],
-        cwd=EXAMPLE,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # a terminal's Ctrl-C goes to the foreground group
-    )
+    # The demo must hear Ctrl-C as from a terminal, even when this run was
+    # started in the background of a shell without job control (which starts
+    # it with SIGINT ignored, and an ignored signal stays ignored across exec;
+    # a handler is reset to the default there).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "manage.py", "demo", "--timeout", "60"],
+            cwd=EXAMPLE,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # a terminal's Ctrl-C goes to the foreground group
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert proc.stdout is not None
     lines: list[str] = []
     try:

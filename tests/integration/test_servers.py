@@ -80,8 +80,12 @@ def test_crash_failover_starts_after_the_old_lease_and_is_not_left_to_the_server
     if not binary_version(nats_server.binary).startswith("2.9."):
         # 2.10+ expires the key ~250 ms late: a follower ended the term itself,
         # deleting exactly the revision it had seen, before the server did.
-        assert tail == [("DEL", None), ("PUT", second.name)], entries
-        assert [e.revision for e in entries][-2] == last_renewal.revision + 1
+        # Its delete is the one write between the last renewal and the
+        # successor's record (the server's expiry writes none). The history
+        # may not show it: with history 1, a marker replaced within
+        # milliseconds can be gone before the recorder's watch delivers it.
+        assert second["epoch"] == last_renewal.revision + 2, entries
+        assert tail in ([("DEL", None), ("PUT", second.name)], [("PUT", second.name)]), entries
     else:
         # 2.9 expires it within a few ms (silently); a follower's delete may come first.
         assert tail in ([("PUT", second.name)], [("DEL", None), ("PUT", second.name)]), entries

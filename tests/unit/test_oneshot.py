@@ -23,8 +23,14 @@ def test_ctrl_c_is_not_turned_into_the_operations_own_error() -> None:
         except asyncio.CancelledError:
             raise NatsUnavailableError("could not connect to NATS: cancelled") from None
 
-    with pytest.raises(KeyboardInterrupt):
-        run_sync(connect)
+    # As in a terminal: a run started in the background of a shell without
+    # job control inherits SIGINT ignored, and would never see the interrupt.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_sync(connect)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_an_operations_own_error_comes_out_unchanged() -> None:
