@@ -227,58 +227,40 @@ class DispatchFence:
         the term that last dispatched ``entry`` (its schedule state). On any
         doubt it may not (``certain=False``).
         """
+
+        def refused(reason: str, current_epoch: int | None = None) -> DispatchCheck:
+            return DispatchCheck(
+                True, False, role=role, epoch=epoch, current_epoch=current_epoch, reason=reason
+            )
+
+        def unverifiable(reason: str) -> DispatchCheck:
+            return DispatchCheck(True, False, certain=False, role=role, epoch=epoch, reason=reason)
+
         highest = self.highest_epoch(role)
         if epoch < highest:
-            return DispatchCheck(
-                True,
-                False,
-                role=role,
-                epoch=epoch,
-                current_epoch=highest,
-                reason=f"dispatched under epoch {epoch}; a newer term ({highest}) began",
+            return refused(
+                f"dispatched under epoch {epoch}; a newer term ({highest}) began", highest
             )
         try:
             current = self.current_epoch(role)
         except ElectionError as exc:
-            return DispatchCheck(
-                True,
-                False,
-                certain=False,
-                role=role,
-                epoch=epoch,
-                reason=f"the current term of {role!r} could not be read: {exc}",
-            )
+            return unverifiable(f"the current term of {role!r} could not be read: {exc}")
         if current is not None and current > epoch:
-            return DispatchCheck(
-                True,
-                False,
-                role=role,
-                epoch=epoch,
-                current_epoch=current,
-                reason=f"dispatched under epoch {epoch}; the current term is {current}",
+            return refused(
+                f"dispatched under epoch {epoch}; the current term is {current}", current
             )
         if current is None and entry is not None:
             try:
                 dispatched = self.dispatched_epoch(role, entry)
             except ElectionError as exc:
-                return DispatchCheck(
-                    True,
-                    False,
-                    certain=False,
-                    role=role,
-                    epoch=epoch,
-                    reason=f"nobody leads {role!r} and the state of {entry!r} could not be read: "
-                    f"{exc}",
+                return unverifiable(
+                    f"nobody leads {role!r} and the state of {entry!r} could not be read: {exc}"
                 )
             if dispatched > epoch:
-                return DispatchCheck(
-                    True,
-                    False,
-                    role=role,
-                    epoch=epoch,
-                    current_epoch=dispatched,
-                    reason=f"dispatched under epoch {epoch}; a newer term ({dispatched}) has "
+                return refused(
+                    f"dispatched under epoch {epoch}; a newer term ({dispatched}) has "
                     f"dispatched {entry!r} since",
+                    dispatched,
                 )
         return DispatchCheck(True, True, role=role, epoch=epoch, current_epoch=current)
 
