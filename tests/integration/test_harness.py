@@ -323,9 +323,21 @@ def test_server_start_failure_reports_log_tail() -> None:
 
 
 async def kv_leader_index(cluster: NatsCluster, nc: Client, bucket: str) -> int:
-    info = await nc.jetstream().stream_info(f"KV_{bucket}")
-    assert info.cluster is not None and info.cluster.leader is not None
-    return [s.server_name for s in cluster.servers].index(info.cluster.leader)
+    """Index of the server leading the bucket's stream, once its RAFT group has elected one.
+
+    A newly created R3 stream answers its create before its group has a
+    leader (nats-server 2.15 takes a few hundred milliseconds): until then a
+    publish gets "no responders" and stream info shows no leader.
+    """
+
+    async def elected() -> str:
+        info = await nc.jetstream().stream_info(f"KV_{bucket}")
+        if info.cluster is None or info.cluster.leader is None:
+            raise nats.errors.Error(f"stream KV_{bucket} has no leader yet")
+        return info.cluster.leader
+
+    leader = await eventually(elected)
+    return [s.server_name for s in cluster.servers].index(leader)
 
 
 async def put_and_check(kv: KeyValue, key: str, value: bytes) -> None:
@@ -349,9 +361,9 @@ async def test_cluster_r3_kv_survives_losing_a_member(victim: str) -> None:
         nc = await connect(cluster.urls)
         try:
             kv = await nc.jetstream().create_key_value(KeyValueConfig(bucket="harness", replicas=3))
+            index = await kv_leader_index(cluster, nc, "harness")
             await kv.put("k", b"before")
 
-            index = await kv_leader_index(cluster, nc, "harness")
             if victim == "kv_follower":
                 index = (index + 1) % 3
             cluster.kill(index)
