@@ -504,36 +504,47 @@ class JetStreamBackend:
             await self._rewatch()
 
     async def _rewatch(self) -> None:
-        for name, shared in list(self._watches.items()):
-            # A watch whose first start is still under way is restarted only
-            # once that start has ended: replacing it now would leave the start's
-            # watch running beside ours (and, if the start failed, ours unowned).
-            await shared.ready.wait()
-            delay = _REWATCH_FIRST_DELAY
-            while self._watches.get(name) is shared and self.nc.is_connected:
-                try:
-                    stop = await shared.bucket.watch_all(shared.dispatch)
-                except Exception as exc:  # never let this task die: retry
-                    # JetStream may take a moment to serve again after a
-                    # restart; meanwhile the periodic reads stand in.
-                    logger.debug("could not restart the watch of %r yet: %s", name, exc)
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, _REWATCH_MAX_DELAY)
-                    continue
-                if self._watches.get(name) is not shared:
-                    await stop()  # its last watcher left meanwhile
-                    break
-                old, shared.stop = shared.stop, stop
-                if old is not None:
-                    await old()
-                logger.debug("restarted the watch of %r after a reconnect", name)
-                break
+        # Each bucket on its own: a bucket whose watch cannot start again
+        # (deleted, or its permission revoked) retries for as long as the
+        # connection is up, and must not hold back the other buckets' restart.
+        await asyncio.gather(
+            *(self._rewatch_bucket(name, shared) for name, shared in list(self._watches.items()))
+        )
+
+    async def _rewatch_bucket(self, name: str, shared: _SharedWatch) -> None:
+        # A watch whose first start is still under way is restarted only
+        # once that start has ended: replacing it now would leave the start's
+        # watch running beside ours (and, if the start failed, ours unowned).
+        await shared.ready.wait()
+        delay = _REWATCH_FIRST_DELAY
+        while self._watches.get(name) is shared and self.nc.is_connected:
+            try:
+                stop = await shared.bucket.watch_all(shared.dispatch)
+            except Exception as exc:  # never let this task die: retry
+                # JetStream may take a moment to serve again after a
+                # restart; meanwhile the periodic reads stand in.
+                logger.debug("could not restart the watch of %r yet: %s", name, exc)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, _REWATCH_MAX_DELAY)
+                continue
+            if self._watches.get(name) is not shared:
+                await stop()  # its last watcher left meanwhile
+                return
+            old, shared.stop = shared.stop, stop
+            if old is not None:
+                await old()
+            logger.debug("restarted the watch of %r after a reconnect", name)
+            return
 
     async def close(self) -> None:
         """Close the connection if this backend owns it; idempotent, never raises."""
-        if self._rewatch_task is not None:
-            self._rewatch_task.cancel()
-            self._rewatch_task = None
+        task, self._rewatch_task = self._rewatch_task, None
+        if task is not None:
+            task.cancel()
+            # Waited for, so that no restart is still running (or logging)
+            # once close() returns; asyncio.wait() raises neither the task's
+            # cancellation nor its error, and a cancel of close() itself passes.
+            await asyncio.wait([task])
         if not self.owns_connection or self.nc.is_closed:
             return
         # close() flushes to the socket and can raise when the server is

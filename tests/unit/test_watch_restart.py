@@ -87,3 +87,36 @@ async def test_a_reconnect_during_the_first_start_leaves_one_watch() -> None:
     assert shared.stop is not None
     await shared.stop()
     assert bucket.live == 0
+
+
+class RefusedBucket(SlowBucket):
+    """A bucket whose watch cannot start again (deleted, or its permission revoked)."""
+
+    name = "revoked"
+
+    async def watch_all(self, callback: Callable[[Any], None]) -> Callable[[], Awaitable[None]]:
+        if self.starts:
+            self.starts += 1
+            self.entered.set()
+            raise RuntimeError("permissions violation")
+        return await super().watch_all(callback)
+
+
+async def test_a_bucket_that_cannot_watch_again_does_not_hold_back_the_others() -> None:
+    backend = JetStreamBackend(Connection())  # type: ignore[arg-type]
+    refused, healthy = RefusedBucket(), SlowBucket()
+    await backend.shared_watch(refused)  # type: ignore[arg-type]
+    await backend.shared_watch(healthy)  # type: ignore[arg-type]
+
+    healthy.entered.clear()
+    backend.reconnected()
+    # The healthy bucket's watch is restarted while the refused one keeps
+    # retrying (it would until the connection drops again).
+    await asyncio.wait_for(healthy.entered.wait(), 5)
+    await asyncio.wait_for(refused.entered.wait(), 5)
+    assert (healthy.starts, healthy.live) == (2, 1)
+    assert refused.starts >= 2 and refused.live == 1
+    task = backend._rewatch_task
+    assert task is not None and not task.done()
+    await backend.close()
+    assert task.done()
