@@ -13,6 +13,7 @@ imports below).
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
 from celery_nats_leader.config import ElectionConfig
@@ -102,25 +103,32 @@ __all__ = [
     "LeaderContext",
     "LeaderElection",
     "LeaderRecord",
-    "LeaderScheduler",
-    "LeaderSchedulerMixin",
-    "LeaderTask",
     "LeadershipLostError",
     "LeadingScope",
-    "NatsLeaderBootstep",
     "NatsUnavailableError",
     "NotConnectedError",
     "NotLeaderError",
-    "OnceTask",
     "PermissionDeniedError",
     "RoleHandle",
     "RoleStatus",
     "__version__",
-    "install",
-    "leader_demoted",
-    "leader_only",
-    "leader_promoted",
-    "leader_service",
     "new_election",
-    "run_once",
 ]
+
+if find_spec("celery") is not None:
+    # Listed only where Celery is installed: ``from celery_nats_leader import *``
+    # imports these (and with them Celery), and without Celery it must still
+    # bring the core's names instead of failing.
+    __all__ += [
+        "LeaderScheduler",
+        "LeaderSchedulerMixin",
+        "LeaderTask",
+        "NatsLeaderBootstep",
+        "OnceTask",
+        "install",
+        "leader_demoted",
+        "leader_only",
+        "leader_promoted",
+        "leader_service",
+        "run_once",
+    ]

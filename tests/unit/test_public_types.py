@@ -13,6 +13,8 @@ import importlib
 import os
 import pickle
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -216,3 +218,24 @@ def test_a_moved_module_keeps_its_old_import_path(moved: str) -> None:
         if isinstance(getattr(new, name), type):
             reference = f"c{old_name}\n{name}\n.".encode()
             assert pickle.loads(reference) is getattr(new, name), name
+
+
+def test_every_lazy_name_is_exported_where_celery_is_installed() -> None:
+    assert set(celery_nats_leader._LAZY) <= set(celery_nats_leader.__all__)
+
+
+def test_a_star_import_without_celery_brings_the_core() -> None:
+    # A user without Celery (plain Python, or Django alone) may star-import
+    # the package: the Celery names are then not listed, nothing fails.
+    script = (
+        "import sys\n"
+        "sys.modules['celery'] = None  # as if not installed\n"
+        "from celery_nats_leader import *\n"
+        "assert 'leader_only' not in dir()\n"
+        "print(Elector.__name__, ElectionConfig.__name__)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["Elector", "ElectionConfig"]
