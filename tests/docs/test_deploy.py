@@ -108,7 +108,9 @@ def test_manifests_are_found() -> None:
     assert kinds == [
         "Deployment",
         "Deployment",
+        "Deployment",
         "Job",
+        "PodDisruptionBudget",
         "PodDisruptionBudget",
         "PodDisruptionBudget",
     ]
@@ -129,6 +131,9 @@ def test_environment_names_real_settings(where: str, container: dict[str, Any]) 
     LeaderSettings(
         servers=fields["servers"].split(","),
         metrics_port=int(fields["metrics_port"]) if "metrics_port" in fields else None,
+        beat_metrics_port=(
+            int(fields["beat_metrics_port"]) if "beat_metrics_port" in fields else None
+        ),
         required=fields.get("required") == "true",
     )
 
@@ -149,12 +154,24 @@ def test_probes_use_the_metrics_port_and_the_probe_paths(
     env = {e["name"]: e.get("value") for e in container["env"]}
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["metrics"] == int(env[f"{PREFIX}METRICS_PORT"]), where
-    probes = {
-        k: container[k]["httpGet"] for k in ("livenessProbe", "readinessProbe", "startupProbe")
-    }
-    assert {p["port"] for p in probes.values()} == {"metrics"}
-    assert probes["livenessProbe"]["path"] == probes["startupProbe"]["path"] == "/healthz"
-    assert probes["readinessProbe"]["path"] == "/readyz"
+    probes = {k: container[k] for k in ("livenessProbe", "readinessProbe", "startupProbe")}
+    if "exec" in probes["livenessProbe"]:
+        # `worker -B`: liveness asks both the worker's and its beat's
+        # /healthz, with the command docs/operating.md shows (and
+        # tests/beat/test_beat_probes.py runs against a real worker -B).
+        assert ports["beat-metrics"] == int(env[f"{PREFIX}BEAT_METRICS_PORT"]), where
+        command = probes.pop("livenessProbe")["exec"]["command"]
+        assert command[:2] == ["python", "-c"], where
+        page = (DEPLOY.parent / "docs" / "operating.md").read_text()
+        assert f'- "{command[2]}"' in page, where
+        assert f"for p in ({ports['metrics']}, {ports['beat-metrics']})]" in command[2], where
+        assert "/healthz" in command[2], where
+    else:
+        assert probes["livenessProbe"]["httpGet"]["path"] == "/healthz", where
+    gets = {k: probe["httpGet"] for k, probe in probes.items()}
+    assert {p["port"] for p in gets.values()} == {"metrics"}, where
+    assert gets["startupProbe"]["path"] == "/healthz"
+    assert gets["readinessProbe"]["path"] == "/readyz"
     # The paths the probe server answers (anything else is a 404).
     source = Path(ProbeServer.__module__.replace(".", "/") + ".py")
     text = (Path(__file__).resolve().parents[2] / source).read_text()
@@ -162,9 +179,15 @@ def test_probes_use_the_metrics_port_and_the_probe_paths(
 
 
 def test_beat_runs_the_leader_scheduler() -> None:
-    ((where, _, spec),) = [p for p in pod_specs("Deployment") if "beat" in p[0]]
-    (container,) = spec["containers"]
-    assert container["command"][3:6] == ["beat", "-S", "nats_leader"], where
+    commands = {
+        where.partition(":")[0]: spec["containers"][0]["command"]
+        for where, _, spec in pod_specs("Deployment")
+    }
+    assert commands["beat.yaml"][3:6] == ["beat", "-S", "nats_leader"]
+    embedded = commands["worker-with-beat.yaml"]
+    assert embedded[3:5] == ["worker", "-B"]
+    assert embedded[embedded.index("-S") + 1] == "nats_leader"
+    assert "-B" not in commands["worker.yaml"]
 
 
 @pytest.mark.parametrize(("where", "workload", "spec"), pod_specs("Deployment"))
