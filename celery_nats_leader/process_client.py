@@ -39,7 +39,7 @@ from celery_nats_leader.loop_thread import EventLoopThread
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from celery_nats_leader.backend import Backend, Bucket
+    from celery_nats_leader.backend import Backend, Bucket, KVEntry
     from celery_nats_leader.config.settings import LeaderSettings
     from celery_nats_leader.nats.connection import ConnectOptions
 
@@ -247,6 +247,31 @@ class ProcessClient:
                 )
                 self._buckets[key] = bucket
             return bucket
+
+    def read_key(self, bucket: str, key: str, *, timeout: float, what: str) -> KVEntry | None:
+        """Read ``key``'s latest entry in ``bucket``, from any thread but the client's loop.
+
+        Args:
+            bucket: The bucket (opened once, without a ``max_age`` check).
+            key: The key.
+            timeout: Seconds for connecting (first use), opening and the read.
+            what: What the caller was reading, for the error's message.
+
+        Returns:
+            The entry (a delete marker too), or ``None`` when the key was never
+            written or its last entry expired.
+
+        Raises:
+            ElectionError: Not read (NATS unreachable, bucket missing, no
+                answer in time).
+
+        """
+
+        async def read() -> KVEntry | None:
+            opened = await self.bucket(bucket, timeout=timeout)
+            return await opened.get(key, timeout=timeout)
+
+        return self.run(read(), timeout + 1.0, what=what)
 
     def shared(self, key: Hashable, factory: Callable[[ProcessClient], T]) -> T:
         """The process's one object for ``key`` living on this client (built at first use).

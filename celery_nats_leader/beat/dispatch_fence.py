@@ -194,26 +194,22 @@ class DispatchFence:
         """
         if self.state_bucket is None:
             return 0
-        client = ProcessClient.for_connection(self.connection)
-        state_bucket = self.state_bucket
-
-        async def read() -> int:
-            bucket = await client.bucket(state_bucket, timeout=self.timeout)
-            found = await bucket.get(state_key(role, entry), timeout=self.timeout)
-            if found is None or found.operation is not Operation.PUT:
-                return 0
-            try:
-                return decode_state(found.value, found.revision).epoch
-            except RecordFormatError:
-                return 0  # not a state of ours: it says nothing of terms
-
         # Not remembered as the role's highest epoch: a state written under
         # another strategy's epochs (an ALLCALL beat role before the move to
         # KV) must not refuse every later term; it is asked only while the
         # role is vacant, and the next leader's dispatches overwrite it.
-        return client.run(
-            read(), self.timeout + 1.0, what=f"could not read the schedule state of {entry!r}"
+        found = ProcessClient.for_connection(self.connection).read_key(
+            self.state_bucket,
+            state_key(role, entry),
+            timeout=self.timeout,
+            what=f"could not read the schedule state of {entry!r}",
         )
+        if found is None or found.operation is not Operation.PUT:
+            return 0
+        try:
+            return decode_state(found.value, found.revision).epoch
+        except RecordFormatError:
+            return 0  # not a state of ours: it says nothing of terms
 
     def highest_epoch(self, role: str) -> int:
         """The highest epoch of ``role`` seen by this process (0 if none)."""

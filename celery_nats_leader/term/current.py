@@ -123,12 +123,11 @@ class TermReader:
 
         """
         client = ProcessClient.for_connection(self.connection)
-
-        async def read() -> Term | None:
-            bucket = await client.bucket(self.bucket_name, timeout=timeout)
-            return await read_term(bucket, role, timeout=timeout)
-
-        return client.run(read(), timeout + 1.0, what=f"could not read the term of {role!r}")
+        return term_of(
+            client.read_key(
+                self.bucket_name, role, timeout=timeout, what=f"could not read the term of {role!r}"
+            )
+        )
 
     def holds(
         self, role: str, token: FencingToken, instance_id: str | None = None, *, timeout: float
