@@ -507,9 +507,14 @@ class JetStreamBackend:
         # Each bucket on its own: a bucket whose watch cannot start again
         # (deleted, or its permission revoked) retries for as long as the
         # connection is up, and must not hold back the other buckets' restart.
-        await asyncio.gather(
-            *(self._rewatch_bucket(name, shared) for name, shared in list(self._watches.items()))
+        watches = list(self._watches.items())
+        outcomes = await asyncio.gather(
+            *(self._rewatch_bucket(name, shared) for name, shared in watches),
+            return_exceptions=True,
         )
+        for (name, _), outcome in zip(watches, outcomes, strict=True):
+            if isinstance(outcome, Exception):  # e.g. stopping the old watch failed
+                logger.warning("restarting the watch of %r after a reconnect: %s", name, outcome)
 
     async def _rewatch_bucket(self, name: str, shared: _SharedWatch) -> None:
         # A watch whose first start is still under way is restarted only

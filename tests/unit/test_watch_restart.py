@@ -10,6 +10,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
+
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 
 
@@ -120,3 +122,35 @@ async def test_a_bucket_that_cannot_watch_again_does_not_hold_back_the_others() 
     assert task is not None and not task.done()
     await backend.close()
     assert task.done()
+
+
+class UnstoppableBucket(SlowBucket):
+    """A bucket whose old watch fails to stop (its subscription already gone)."""
+
+    name = "unstoppable"
+
+    async def watch_all(self, callback: Callable[[Any], None]) -> Callable[[], Awaitable[None]]:
+        await super().watch_all(callback)
+
+        async def stop() -> None:
+            raise RuntimeError("nats: connection closed")
+
+        return stop
+
+
+async def test_a_failed_stop_of_an_old_watch_is_logged_and_the_others_restart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    backend = JetStreamBackend(Connection())  # type: ignore[arg-type]
+    unstoppable, healthy = UnstoppableBucket(), SlowBucket()
+    await backend.shared_watch(unstoppable)  # type: ignore[arg-type]
+    await backend.shared_watch(healthy)  # type: ignore[arg-type]
+    backend.reconnected()
+    task = backend._rewatch_task
+    assert task is not None
+    await asyncio.wait_for(task, 5)
+    assert task.exception() is None
+    assert (unstoppable.starts, healthy.starts, healthy.live) == (2, 2, 1)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "restarting the watch of 'unstoppable' after a reconnect: nats: connection closed"
+    ]
