@@ -74,8 +74,11 @@ def command_lines(container: dict[str, Any]) -> list[list[str]]:
     return lines
 
 
-def celery_parses(argv: list[str]) -> None:
-    """Parse ``argv`` with Celery's CLI (and its plugins) without running it."""
+def celery_parses(argv: list[str]) -> click.Context:
+    """Parse ``argv`` with Celery's CLI (and its plugins) without running it.
+
+    Returns the context of the last command, with its parsed options.
+    """
     from celery import Celery
     from celery.bin.base import CLIContext
     from celery.bin.celery import celery
@@ -94,6 +97,7 @@ def celery_parses(argv: list[str]) -> None:
         ctx = command.make_context(words[0], words[1:], parent=ctx)
         words = _unparsed(ctx) if isinstance(command, click.Group) else []
         group = command
+    return ctx
 
 
 def _unparsed(ctx: click.Context) -> list[str]:
@@ -183,11 +187,16 @@ def test_beat_runs_the_leader_scheduler() -> None:
         where.partition(":")[0]: spec["containers"][0]["command"]
         for where, _, spec in pod_specs("Deployment")
     }
-    assert commands["beat.yaml"][3:6] == ["beat", "-S", "nats_leader"]
-    embedded = commands["worker-with-beat.yaml"]
-    assert embedded[3:5] == ["worker", "-B"]
-    assert embedded[embedded.index("-S") + 1] == "nats_leader"
-    assert "-B" not in commands["worker.yaml"]
+    # As Celery's own command line reads them (for `beat`, -S is the
+    # scheduler; for `worker`, it is --statedb).
+    beat = celery_parses(commands["beat.yaml"])
+    assert (beat.info_name, beat.params["scheduler"]) == ("beat", "nats_leader")
+    embedded = celery_parses(commands["worker-with-beat.yaml"])
+    assert embedded.info_name == "worker"
+    assert (embedded.params["beat"], embedded.params["scheduler"]) == (True, "nats_leader")
+    assert embedded.params["statedb"] is None
+    plain = celery_parses(commands["worker.yaml"])
+    assert not plain.params["beat"]
 
 
 @pytest.mark.parametrize(("where", "workload", "spec"), pod_specs("Deployment"))
