@@ -471,8 +471,10 @@ class JetStreamBackend:
         self.js = nc.jetstream(timeout=js_timeout)
         self.owns_connection = owns_connection
         self._watches: dict[str, _SharedWatch] = {}
-        self._rewatch_task: asyncio.Task[None] | None = None
-        self._rewatch_pending = False
+        #: Per bucket: the task restarting its watch, and whether a reconnect
+        #: came during that task's pass (it then makes one more).
+        self._rewatch_tasks: dict[str, asyncio.Task[None]] = {}
+        self._rewatch_pending: set[str] = set()
 
     def reconnected(self) -> None:
         """The connection is back: restart every shared watch.
@@ -486,37 +488,35 @@ class JetStreamBackend:
         connection was down is reported at once too. Called on the loop by
         :func:`~celery_nats_leader.nats.open_backend`'s connection.
         """
-        if not self._watches:
-            return
-        # One task restarts the watches. A reconnect during its pass asks for
-        # another pass instead of cancelling it: a cancel that lands inside
-        # watch_all() would leave the watch being created running, owned by
-        # nobody, and every entry would then be dispatched twice.
-        self._rewatch_pending = True
-        if self._rewatch_task is None or self._rewatch_task.done():
-            self._rewatch_task = asyncio.get_running_loop().create_task(
-                self._rewatch_passes(), name="kv-rewatch"
-            )
+        # One task per bucket restarts its watch: a bucket whose watch cannot
+        # start again (deleted, or its permission revoked) retries for as long
+        # as the connection is up, and must hold back neither the other
+        # buckets' restart nor their restart after the next reconnect. A
+        # reconnect during a bucket's pass asks for another pass instead of
+        # cancelling it: a cancel that lands inside watch_all() would leave
+        # the watch being created running, owned by nobody, and every entry
+        # would then be dispatched twice.
+        loop = asyncio.get_running_loop()
+        for name in self._watches:
+            self._rewatch_pending.add(name)
+            task = self._rewatch_tasks.get(name)
+            if task is None or task.done():
+                self._rewatch_tasks[name] = loop.create_task(
+                    self._rewatch_passes(name), name=f"kv-rewatch-{name}"
+                )
 
-    async def _rewatch_passes(self) -> None:
-        while self._rewatch_pending:
-            self._rewatch_pending = False
-            await self._rewatch()
+    async def _rewatch_passes(self, name: str) -> None:
+        while name in self._rewatch_pending:
+            self._rewatch_pending.discard(name)
+            shared = self._watches.get(name)
+            if shared is None:  # its last watcher left
+                return
+            try:
+                await self._rewatch(name, shared)
+            except Exception as exc:  # e.g. stopping the replaced watch failed
+                logger.warning("after a reconnect, the watch of %r: %s", name, exc)
 
-    async def _rewatch(self) -> None:
-        # Each bucket on its own: a bucket whose watch cannot start again
-        # (deleted, or its permission revoked) retries for as long as the
-        # connection is up, and must not hold back the other buckets' restart.
-        watches = list(self._watches.items())
-        outcomes = await asyncio.gather(
-            *(self._rewatch_bucket(name, shared) for name, shared in watches),
-            return_exceptions=True,
-        )
-        for (name, _), outcome in zip(watches, outcomes, strict=True):
-            if isinstance(outcome, Exception):  # e.g. stopping the old watch failed
-                logger.warning("restarting the watch of %r after a reconnect: %s", name, outcome)
-
-    async def _rewatch_bucket(self, name: str, shared: _SharedWatch) -> None:
+    async def _rewatch(self, name: str, shared: _SharedWatch) -> None:
         # A watch whose first start is still under way is restarted only
         # once that start has ended: replacing it now would leave the start's
         # watch running beside ours (and, if the start failed, ours unowned).
@@ -536,20 +536,23 @@ class JetStreamBackend:
                 await stop()  # its last watcher left meanwhile
                 return
             old, shared.stop = shared.stop, stop
+            logger.debug("restarted the watch of %r after a reconnect", name)
             if old is not None:
                 await old()
-            logger.debug("restarted the watch of %r after a reconnect", name)
             return
 
     async def close(self) -> None:
         """Close the connection if this backend owns it; idempotent, never raises."""
-        task, self._rewatch_task = self._rewatch_task, None
-        if task is not None:
+        tasks = list(self._rewatch_tasks.values())
+        self._rewatch_tasks.clear()
+        self._rewatch_pending.clear()
+        for task in tasks:
             task.cancel()
+        if tasks:
             # Waited for, so that no restart is still running (or logging)
-            # once close() returns; asyncio.wait() raises neither the task's
+            # once close() returns; asyncio.wait() raises neither a task's
             # cancellation nor its error, and a cancel of close() itself passes.
-            await asyncio.wait([task])
+            await asyncio.wait(tasks)
         if not self.owns_connection or self.nc.is_closed:
             return
         # close() flushes to the socket and can raise when the server is
