@@ -28,11 +28,14 @@ def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Broker]:
         tmp_path,
         key_prefix=f"cnl-{uuid.uuid4().hex[:10]}:",
         # Redelivery of a crashed worker's unacknowledged messages: after the
-        # visibility timeout, swept every second.
+        # visibility timeout, swept every second. A worker SIGKILLed inside
+        # its sweep leaves the sweep's lock held until it expires (kombu's
+        # default: 300 s, longer than any test waits): 2 s here.
         redis_options={
             "visibility_timeout": 6,
             "unacked_restore_interval": 1,
             "unacked_restore_throttle": 1,
+            "unacked_mutex_expire": 2,
         },
     )
     try:

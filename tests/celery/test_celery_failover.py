@@ -103,7 +103,12 @@ def run_failover(
 
     # Phase 3: the third leader finishes everything, including what was requeued.
     send_range(cluster, phase3)
-    wait_for(lambda: ledger.committed() == total, 120, f"{total} commits", cluster.diagnostics)
+    wait_for(
+        lambda: ledger.committed() == total,
+        120,
+        f"{total} commits",
+        lambda: f"{cluster.diagnostics()}\n{missing_report(cluster, broker, total)}",
+    )
     # A task redelivered after the crash may still be running (to a refused
     # duplicate commit): let every run of a live worker finish first.
     crashed_pid = first.pid if crash else None
@@ -123,6 +128,55 @@ def run_failover(
         leaders=(first, second, third),
         crashed=first if crash else None,
     )
+
+
+def missing_report(cluster: Cluster, broker: Broker, total: int) -> str:
+    """Where the uncommitted tasks went: their ledger events, and the broker's state."""
+    ledger = cluster.ledger
+    committed = {seq for (seq,) in ledger.rows("SELECT seq FROM commits")}
+    missing = [seq for seq in range(total) if seq not in committed]
+    lines = [f"missing seqs: {missing}"]
+    for seq in missing:
+        ids = {
+            task_id
+            for (task_id,) in ledger.rows(
+                "SELECT task_id FROM events WHERE kind = 'received' AND info = ?", str(seq)
+            )
+        }
+        events = [
+            row
+            for task_id in sorted(ids)
+            for row in ledger.rows(
+                "SELECT kind, main_pid, pid, state, info, t FROM events WHERE task_id = ?"
+                " ORDER BY t",
+                task_id,
+            )
+        ]
+        attempts = ledger.rows("SELECT main_pid, epoch FROM attempts WHERE seq = ?", seq)
+        lines.append(f"seq {seq} ids {sorted(ids)}: events {events} attempts {attempts}")
+        for task_id in ids:
+            for worker in cluster.workers:
+                hits = [line for line in worker.log().splitlines() if task_id in line]
+                lines.extend(f"  {worker.name}: {line}" for line in hits)
+    if broker.kind == "redis":
+        import redis
+
+        client = redis.Redis.from_url(broker.url)
+        try:
+            prefix = broker.prefix
+            for key in sorted(client.scan_iter(match=prefix + "*")):
+                kind, name = client.type(key).decode(), key.decode()
+                if kind == "list":
+                    lines.append(f"redis {name}: list of {client.llen(key)}")
+                elif kind == "hash":
+                    lines.append(f"redis {name}: {sorted(client.hgetall(key).values())}")
+                elif kind == "zset":
+                    lines.append(f"redis {name}: {client.zrange(key, 0, -1, withscores=True)}")
+                elif kind == "string":
+                    lines.append(f"redis {name}: ttl {client.ttl(key)}")
+        finally:
+            client.close()
+    return "\n".join(lines)
 
 
 def unfinished_runs(cluster: Cluster) -> dict[tuple[int, int, int], int]:
