@@ -62,10 +62,12 @@ def run_failover(
     # task inside the event loop; when kombu's reader drained the message
     # from a deferred read (a ready callback), the task's ack waits in the
     # same ready set until the loop's next poll returns, which without
-    # another event is kombu's longest poll, 10 s; with one message
+    # another event or timer is kombu's longest poll, 10 s (these workers
+    # run without heartbeat, gossip and mingle); with one message
     # prefetched, the next task waits for that ack. Seen in this test on
     # RabbitMQ: stalls of ~10 s after a few tasks, 16 of 21 tasks in 60 s
-    # under a CPU hog. (Upstream behaviour, docs/workers.md, "Broker notes".)
+    # under a CPU hog; plain Celery shows it too (docs/workers.md, "Broker
+    # notes").
     patience = 180 if pool == "solo" else 60
 
     # Phase 1: the first leader works, then dies in the middle of a slow task.
