@@ -62,8 +62,12 @@ def test_a_leader_killed_holding_the_restore_lock(cluster_factory: Any, broker: 
     # (300 s), which a successor would otherwise wait out. kombu 5.7 looks
     # as often as the options say (every second here); before 5.7 there is
     # no such option, and it looks every 100 s.
-    look = 1 if hasattr(kombu.transport.redis.Channel, "unacked_restore_interval") else 100
-    patience = 6 + look + 5 + 20
+    options = broker.transport_options
+    if hasattr(kombu.transport.redis.Channel, "unacked_restore_interval"):
+        look = options["unacked_restore_interval"] * options["unacked_restore_throttle"]
+    else:
+        look = 100
+    patience = options["visibility_timeout"] + look + 5 + 20
     assert patience < KOMBU_DEFAULT_EXPIRE
     wait_for(
         lambda: ledger.count("SELECT COUNT(*) FROM commits WHERE main_pid = ?", second.pid),
