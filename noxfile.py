@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -185,3 +186,39 @@ def table(session: nox.Session) -> None:
     for (python, deps, server), cells in sorted(latest.items()):
         row = " | ".join(cells.get(tier, "not run") for tier in tiers)
         print(f"| {python} | {deps} ({cells['versions']}) | {server} | {row} |")
+
+
+@nox.session(python="3.11")
+def dist(session: nox.Session) -> None:
+    """Build the sdist and the wheel as a release does, check them, test the sdist.
+
+    ``python -m build`` then ``twine check --strict`` (the README must render
+    on the package index); then the sdist, installed with its extras into a
+    clean virtualenv, runs the unit tier from a copy of the tests, so that
+    the installed package is the one imported (not this work tree).
+    """
+    out = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(out, ignore_errors=True)
+    session.install("-q", "build", "twine")
+    session.run("python", "-m", "build", "-q", "--outdir", str(out), str(ROOT))
+    built = sorted(str(p) for p in out.iterdir())
+    if len(built) != 2:
+        session.error(f"expected one sdist and one wheel, got {built}")
+    session.run("twine", "check", "--strict", *built)
+    sdist = next(p for p in out.glob("celery_nats_leader-*.tar.gz"))
+    session.install("-q", "--force-reinstall", f"{sdist}[{EXTRAS}]")
+    copy = Path(session.create_tmp()) / "checkout"
+    shutil.rmtree(copy, ignore_errors=True)
+    copy.mkdir()
+    # The tests and what they read (the alert rules under deploy/), not the package.
+    for folder in ("tests", "deploy"):
+        shutil.copytree(ROOT / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+    with session.chdir(copy):
+        where = session.run(
+            "python", "-c", "import celery_nats_leader as p; print(p.__file__)", silent=True
+        )
+        if "site-packages" not in str(where):
+            session.error(f"the work tree's package was imported, not the sdist's: {where}")
+        session.log(f"testing {str(where).strip()}")
+        session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit")

@@ -40,8 +40,8 @@ from typing import Any
 import nats
 
 from celery_nats_leader import ElectionConfig, FencingToken
+from celery_nats_leader.config.connection import ConnectOptions
 from celery_nats_leader.election.allcall import AllcallElection
-from celery_nats_leader.nats.connection import ConnectOptions
 from celery_nats_leader.testing import FaultProxy, NatsServer, free_port
 
 FAST: dict[str, Any] = {"reconnect_time_wait": 0.1, "connect_timeout": 2}

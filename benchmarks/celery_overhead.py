@@ -35,9 +35,10 @@ from typing import Any
 
 from celery import Celery
 
+from celery_nats_leader.config.connection import ConnectOptions
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.loop_thread import EventLoopThread
-from celery_nats_leader.nats import ConnectOptions, open_backend
+from celery_nats_leader.core.loop_thread import EventLoopThread
+from celery_nats_leader.nats import open_backend
 from celery_nats_leader.term.record import encode_record
 from celery_nats_leader.testing import NatsServer
 from celery_nats_leader.worker import shared_leadership

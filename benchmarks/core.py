@@ -20,13 +20,18 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import nats
 from nats.js.api import KeyValueConfig
 
 from celery_nats_leader import ElectionConfig, Elector
-from celery_nats_leader.testing import CandidateGroup, NatsServer, binary_version, server_binary
+from celery_nats_leader.testing import NatsServer, binary_version, server_binary
+
+# The project's harness lives under tests/ (not shipped): import it from the root.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.harness.candidate_control import CandidateGroup
 
 BUCKET = "bench"
 HERE = os.path.abspath(__file__)

@@ -14,12 +14,19 @@ import asyncio
 import platform
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
-from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.nats.connection import connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.ops.fence_leader import fence_leader
-from celery_nats_leader.testing import CandidateGroup, NatsServer
+from celery_nats_leader.testing import NatsServer
+
+# The project's harness lives under tests/ (not shipped): import it from the root.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.harness.candidate_control import CandidateGroup
 
 BUCKET, ROLE, TTL = "bench_fence", "job", 10.0
 

@@ -55,8 +55,8 @@ import nats
 from nats.js.api import KeyValueConfig
 
 from celery_nats_leader import ElectionConfig, KvElection
-from celery_nats_leader.config.constants import DEFAULT_TTL_SECONDS
-from celery_nats_leader.nats import ConnectOptions
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.core.constants import DEFAULT_TTL_SECONDS
 from celery_nats_leader.testing import NatsCluster, NatsServer, binary_version, server_binary
 
 HERE = os.path.abspath(__file__)

@@ -35,7 +35,7 @@ from celery_nats_leader.beat.dispatcher import Tick, TickDispatcher
 from celery_nats_leader.beat.schedule_store import EntryState, ScheduleStateStore
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.elector import Elector
+from celery_nats_leader.election.elector import Elector
 from celery_nats_leader.testing import NatsServer
 from celery_nats_leader.worker.once_tasks import OnceService
 

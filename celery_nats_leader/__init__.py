@@ -17,12 +17,8 @@ from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.election import DemoteReason, Election, ElectionState, KvElection
-from celery_nats_leader.election.interface import LeaderElection, new_election
-from celery_nats_leader.election.leader_services import LeaderContext, LeadingScope
-from celery_nats_leader.election.observer import ElectionObserver
-from celery_nats_leader.elector import Elector, RoleHandle
-from celery_nats_leader.errors import (
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.core.errors import (
     BackendError,
     BackendTimeoutError,
     BucketConfigError,
@@ -37,8 +33,12 @@ from celery_nats_leader.errors import (
     NotLeaderError,
     PermissionDeniedError,
 )
-from celery_nats_leader.nats.connection import ConnectOptions
-from celery_nats_leader.ops.status import RoleStatus
+from celery_nats_leader.election import DemoteReason, Election, ElectionState, KvElection
+from celery_nats_leader.election.elector import Elector, RoleHandle
+from celery_nats_leader.election.interface import LeaderElection, new_election
+from celery_nats_leader.election.leader_services import LeaderContext, LeadingScope
+from celery_nats_leader.election.observer import ElectionObserver
+from celery_nats_leader.election.status import RoleStatus
 from celery_nats_leader.term.record import LeaderRecord
 from celery_nats_leader.term.token import FencingToken
 

@@ -28,12 +28,13 @@ from django.utils.safestring import mark_safe
 
 from celery_nats_leader.config import validate_key
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.errors import ConfigError, ElectionError
-from celery_nats_leader.events import TransitionEvent
+from celery_nats_leader.core.errors import ConfigError, ElectionError
+from celery_nats_leader.election.events import TransitionEvent
+from celery_nats_leader.election.status import StatusReport
 from celery_nats_leader.ops.events import read_events
 from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.ops.output import role_rows
-from celery_nats_leader.ops.status import StatusReport, fetch_report
+from celery_nats_leader.ops.status import fetch_report
 from django_nats_leader import conf
 from django_nats_leader.models import ElectionStatus, FenceEpoch
 from django_nats_leader.timeline import stored_time, terms, timeline_svg

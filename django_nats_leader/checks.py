@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 from django.core import checks
 
 from celery_nats_leader.config import validate_key
-from celery_nats_leader.config.constants import DEFAULT_TTL_SECONDS, MIN_HEARTBEATS_PER_TTL
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.errors import ConfigError
+from celery_nats_leader.core.constants import DEFAULT_TTL_SECONDS, MIN_HEARTBEATS_PER_TTL
+from celery_nats_leader.core.errors import ConfigError
 from django_nats_leader import conf
 
 if TYPE_CHECKING:
-    from celery_nats_leader.backend import BucketInfo
+    from celery_nats_leader.core.backend import BucketInfo
 
 #: The tag of these checks: ``manage.py check --tag nats_leader``.
 TAG = "nats_leader"

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery_nats_leader.config.settings import CELERY_PREFIX, LeaderSettings
-from celery_nats_leader.errors import ConfigError
+from celery_nats_leader.core.errors import ConfigError
 
 #: Name of the Django setting holding the dict.
 SETTING_NAME = "NATS_LEADER"

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 from django.db import router, transaction
 
-from celery_nats_leader.errors import LeadershipLostError
+from celery_nats_leader.core.errors import LeadershipLostError
 from celery_nats_leader.term.token import FencingToken, epoch_strategy
 
 if TYPE_CHECKING:
@@ -69,8 +69,8 @@ TOKEN_PREFIX_CHARS = 12
 class StaleLeaderError(LeadershipLostError):
     """Raised when a fenced write carries an older term than one the database has seen.
 
-    It is a :class:`~celery_nats_leader.errors.LeadershipLostError` (and so an
-    :class:`~celery_nats_leader.errors.ElectionError`): a ``@leader_only``
+    It is a :class:`~celery_nats_leader.core.errors.LeadershipLostError` (and so an
+    :class:`~celery_nats_leader.core.errors.ElectionError`): a ``@leader_only``
     task that hits it is handled by its ``on_follower`` policy (by default
     requeued for the current leader).
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from html import escape
 
-from celery_nats_leader.events import EventKind, TransitionEvent
+from celery_nats_leader.election.events import EventKind, TransitionEvent
 
 #: Size of one role's chart, pixels.
 WIDTH, BAR_HEIGHT, AXIS_HEIGHT = 900, 28, 18

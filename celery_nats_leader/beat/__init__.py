@@ -51,17 +51,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from celery_nats_leader.beat.ticks import tick_task_id
+from celery_nats_leader.core.constants import (
+    DISPATCHER_HEADER,
+    ENTRY_HEADER,
+    EPOCH_HEADER,
+    ONCE_HEADER,
+    ROLE_HEADER,
+    RUN_HEADER,
+    TICK_HEADER,
+    TOKEN_HEADER,
+)
 
 if TYPE_CHECKING:
     from celery_nats_leader.beat.dispatch_fence import (
-        DISPATCHER_HEADER,
-        ENTRY_HEADER,
-        EPOCH_HEADER,
-        ONCE_HEADER,
-        ROLE_HEADER,
-        RUN_HEADER,
-        TICK_HEADER,
-        TOKEN_HEADER,
         DispatchCheck,
         DispatchFence,
         FencedBeatTask,
@@ -96,7 +98,6 @@ _FENCE = "celery_nats_leader.beat.dispatch_fence"
 _LAZY = {
     "LeaderScheduler": _SCHEDULER,
     "LeaderSchedulerMixin": _SCHEDULER,
-    **{name: _FENCE for name in __all__ if name not in ("tick_task_id",) and name.isupper()},
     "DispatchCheck": _FENCE,
     "DispatchFence": _FENCE,
     "FencedBeatTask": _FENCE,

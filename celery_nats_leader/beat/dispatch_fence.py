@@ -26,27 +26,27 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Task
 
-from celery_nats_leader.backend import Operation
 from celery_nats_leader.beat.schedule_store import decode_state, state_key
 from celery_nats_leader.config.settings import LeaderSettings, settings_of_app
-from celery_nats_leader.errors import ElectionError, RecordFormatError
-from celery_nats_leader.process_client import ProcessClient
+from celery_nats_leader.core.backend import Operation
+from celery_nats_leader.core.constants import (
+    ENTRY_HEADER,
+    EPOCH_HEADER,
+    ONCE_HEADER,
+    ROLE_HEADER,
+    TICK_HEADER,
+    TOKEN_HEADER,
+)
+from celery_nats_leader.core.errors import ElectionError, RecordFormatError
+from celery_nats_leader.nats.process_client import ProcessClient
 from celery_nats_leader.term import TermReader
 from celery_nats_leader.term.token import FencingToken
 from celery_nats_leader.worker.refused import NotRun
 
 if TYPE_CHECKING:
-    from celery_nats_leader.nats.connection import ConnectOptions
+    from celery_nats_leader.config.connection import ConnectOptions
 
 __all__ = [
-    "DISPATCHER_HEADER",
-    "ENTRY_HEADER",
-    "EPOCH_HEADER",
-    "ONCE_HEADER",
-    "ROLE_HEADER",
-    "RUN_HEADER",
-    "TICK_HEADER",
-    "TOKEN_HEADER",
     "DispatchCheck",
     "DispatchFence",
     "FencedBeatTask",
@@ -55,26 +55,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Message header: the epoch of the term that dispatched the task (an integer).
-EPOCH_HEADER = "nats_leader_epoch"
-#: Message header of messages sent by older versions: the whole fencing token
-#: (``"<epoch>:<value>"``). No longer sent; still read (its epoch only).
-TOKEN_HEADER = "nats_leader_token"
-#: Message header: ``True`` when workers with the bootstep run this tick once
-#: (the once-guard keyed by its per-tick task id); ``False`` for entries and
-#: schedulers that opted out.
-ONCE_HEADER = "nats_leader_once"
-#: Message header: the beat role whose leader dispatched the task.
-ROLE_HEADER = "nats_leader_role"
-#: Message header: the periodic entry's name.
-ENTRY_HEADER = "nats_leader_entry"
-#: Message header: the tick's slot (ISO 8601, UTC), its identity.
-TICK_HEADER = "nats_leader_tick"
-#: Message header: the entry's run number of this tick (1 for the first run).
-RUN_HEADER = "nats_leader_run"
-#: Message header: the instance id of the scheduler that dispatched it.
-DISPATCHER_HEADER = "nats_leader_dispatcher"
 
 
 @dataclass(frozen=True)
@@ -119,7 +99,7 @@ class DispatchFence:
     """Reads the current term of a role, for the worker-side check.
 
     One per process and settings (:meth:`for_settings`), kept by the
-    process's :class:`~celery_nats_leader.process_client.ProcessClient`; it
+    process's :class:`~celery_nats_leader.nats.process_client.ProcessClient`; it
     reads through a :class:`~celery_nats_leader.term.TermReader` (the
     process's one connection, opened at first use), and remembers the highest
     epoch it has seen (epochs only grow), so that epochs older than that are

@@ -26,7 +26,7 @@ its record, and the worker-side once-guard
 
 This module imports neither Celery nor Django: the send is a callable, the
 lease anything with ``is_leader`` and ``validate_token()`` (a
-:class:`~celery_nats_leader.elector.RoleHandle`), so it runs as is on the
+:class:`~celery_nats_leader.election.elector.RoleHandle`), so it runs as is on the
 in-memory backend.
 """
 
@@ -45,7 +45,7 @@ from typing import Protocol
 
 from celery_nats_leader.beat.schedule_store import EntryState
 from celery_nats_leader.beat.ticks import slot_text, to_utc
-from celery_nats_leader.errors import (
+from celery_nats_leader.core.errors import (
     BackendTimeoutError,
     BucketConfigError,
     BucketNotFoundError,

@@ -13,13 +13,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from celery_nats_leader.backoff import retry_transient
 from celery_nats_leader.beat.schedule_store import ScheduleStateStore
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.config.settings import LeaderSettings
+from celery_nats_leader.core.backoff import retry_transient
+from celery_nats_leader.core.errors import ConfigError, ElectionError
 from celery_nats_leader.election import DemoteReason, ElectionState
-from celery_nats_leader.elector import Elector, RoleHandle
-from celery_nats_leader.errors import ConfigError, ElectionError
+from celery_nats_leader.election.elector import Elector, RoleHandle
 from celery_nats_leader.term.record import LeaderRecord
 from celery_nats_leader.term.token import FencingToken
 

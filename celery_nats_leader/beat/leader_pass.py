@@ -29,14 +29,14 @@ from celery_nats_leader.beat.metrics import TickMetrics
 from celery_nats_leader.beat.schedule_store import EntryState
 from celery_nats_leader.beat.send import send_tick, tick_options
 from celery_nats_leader.beat.ticks import TickPlan, TickPlanner, slot_text, to_utc
-from celery_nats_leader.celery_compat import (
+from celery_nats_leader.config.settings import LeaderSettings
+from celery_nats_leader.election.elector import RoleHandle
+from celery_nats_leader.term.token import FencingToken
+from celery_nats_leader.worker.celery_compat import (
     deadline_left_to_the_slots,
     slot_schedule,
     slots_overrule_is_due,
 )
-from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.elector import RoleHandle
-from celery_nats_leader.term.token import FencingToken
 
 if TYPE_CHECKING:
     # Celery is untyped: type-check the pass as a Scheduler (``Any``).

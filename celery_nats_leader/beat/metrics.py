@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from celery_nats_leader.config.constants import DEFAULT_METRICS_NAMESPACE
+from celery_nats_leader.core.constants import DEFAULT_METRICS_NAMESPACE
 
 __all__ = ["OUTCOMES", "TickMetrics"]
 

@@ -30,12 +30,12 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from celery_nats_leader.backend import Bucket, KVEntry
 from celery_nats_leader.beat.ticks import parse_slot, slot_text, to_utc
-from celery_nats_leader.errors import BackendTimeoutError, NotConnectedError, RecordFormatError
+from celery_nats_leader.core.backend import Bucket, KVEntry
+from celery_nats_leader.core.errors import BackendTimeoutError, NotConnectedError, RecordFormatError
 
 if TYPE_CHECKING:
-    from celery_nats_leader.elector import Elector
+    from celery_nats_leader.election.elector import Elector
 
 __all__ = [
     "STATE_VERSION",
@@ -243,9 +243,9 @@ async def read_schedule_states(bucket: Bucket, role: str, *, timeout: float) -> 
 class ScheduleStateStore:
     """Synchronous access to the state bucket, on an :class:`Elector`'s loop.
 
-    Every method raises :class:`~celery_nats_leader.errors.BackendTimeoutError`
+    Every method raises :class:`~celery_nats_leader.core.errors.BackendTimeoutError`
     when the outcome is unknown and
-    :class:`~celery_nats_leader.errors.NotConnectedError` when nothing was sent.
+    :class:`~celery_nats_leader.core.errors.NotConnectedError` when nothing was sent.
 
     Args:
         elector: The elector whose connection and loop to use.

@@ -45,18 +45,18 @@ from celery_nats_leader.beat.schedule_store import EntryState
 from celery_nats_leader.beat.send import is_permanent_send_error
 from celery_nats_leader.beat.signals import signals_deferred
 from celery_nats_leader.beat.ticks import TickPlanner
-from celery_nats_leader.celery_compat import beat_nodename
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.elector import Elector, RoleHandle
-from celery_nats_leader.errors import (
+from celery_nats_leader.core.errors import (
     BucketConfigError,
     BucketNotFoundError,
     ConfigError,
     ElectionError,
     PermissionDeniedError,
 )
+from celery_nats_leader.election.elector import Elector, RoleHandle
 from celery_nats_leader.observe.probes import ProbeResult, ProbeServer, liveness, readiness
+from celery_nats_leader.worker.celery_compat import beat_nodename
 
 if TYPE_CHECKING:
     from celery_nats_leader.observe.prometheus import PrometheusObserver

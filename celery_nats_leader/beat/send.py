@@ -17,7 +17,9 @@ from typing import Any
 from celery import beat as celery_beat
 from kombu.exceptions import OperationalError, SerializationError
 
-from celery_nats_leader.beat.dispatch_fence import (
+from celery_nats_leader.beat.schedule_store import EntryState
+from celery_nats_leader.beat.ticks import slot_text, tick_task_id
+from celery_nats_leader.core.constants import (
     DISPATCHER_HEADER,
     ENTRY_HEADER,
     EPOCH_HEADER,
@@ -26,8 +28,6 @@ from celery_nats_leader.beat.dispatch_fence import (
     RUN_HEADER,
     TICK_HEADER,
 )
-from celery_nats_leader.beat.schedule_store import EntryState
-from celery_nats_leader.beat.ticks import slot_text, tick_task_id
 from celery_nats_leader.term.token import FencingToken
 
 __all__ = ["is_permanent_send_error", "opts_out", "send_tick", "tick_options"]

@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from celery_nats_leader.config import constants as c
-from celery_nats_leader.errors import ConfigError
+from celery_nats_leader.core import constants as c
+from celery_nats_leader.core.errors import ConfigError
 
 #: A health check: returns ``True`` when this process is fit to lead.
 HealthCheck = Callable[[], "bool | Awaitable[bool]"]

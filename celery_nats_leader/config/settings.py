@@ -27,13 +27,13 @@ from celery_nats_leader.config import (
     validate_bucket,
     validate_key,
 )
-from celery_nats_leader.config.constants import (
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.core.constants import (
     BEAT_CATCH_UP_EXTRA_SECONDS,
     DEFAULT_METRICS_NAMESPACE,
     DEFAULT_SERVERS,
 )
-from celery_nats_leader.errors import ConfigError
-from celery_nats_leader.nats.connection import ConnectOptions
+from celery_nats_leader.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

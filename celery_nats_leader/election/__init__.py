@@ -19,7 +19,7 @@
 * :mod:`.trail`: the event trail, each transition published in order.
 
 The state machines talk to NATS only through a
-:class:`~celery_nats_leader.backend.Backend`.
+:class:`~celery_nats_leader.core.backend.Backend`.
 """
 
 from __future__ import annotations

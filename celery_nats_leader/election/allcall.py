@@ -65,8 +65,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
-from celery_nats_leader.config import constants as c
+from celery_nats_leader.core import constants as c
+from celery_nats_leader.core.clock import SYSTEM_CLOCK, Clock
+from celery_nats_leader.core.errors import ConfigError, ElectionError
 from celery_nats_leader.election.allcall_protocol import (
     ALLCALL_VERB,
     REMEMBERED_RELEASES,
@@ -85,7 +86,6 @@ from celery_nats_leader.election.allcall_protocol import (
 )
 from celery_nats_leader.election.base import BaseElection
 from celery_nats_leader.election.vocabulary import DemoteReason, ElectionState, control_subject
-from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.term.record import LeaderRecord
 from celery_nats_leader.term.token import FencingToken
 

@@ -31,10 +31,11 @@ import logging
 import random
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from celery_nats_leader.backend import Backend, ConnectionListener, Subscription
-from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.config import constants as c
+from celery_nats_leader.core import constants as c
+from celery_nats_leader.core.backend import Backend, ConnectionListener, Subscription
+from celery_nats_leader.core.clock import SYSTEM_CLOCK, Clock
+from celery_nats_leader.core.errors import ConfigError, ElectionError, ElectionStoppedError
 from celery_nats_leader.election.callbacks import CallbackRunner
 from celery_nats_leader.election.control import ResignAnswer, ResignRequest
 from celery_nats_leader.election.health import watch_health
@@ -50,17 +51,16 @@ from celery_nats_leader.election.vocabulary import (
     TransitionHook,
     control_subject,
 )
-from celery_nats_leader.errors import ConfigError, ElectionError, ElectionStoppedError
 from celery_nats_leader.term.record import LeaderRecord
 from celery_nats_leader.term.token import FencingToken
 
 if TYPE_CHECKING:
+    from celery_nats_leader.config.connection import ConnectOptions
     from celery_nats_leader.election.leader_services import (
         LeaderServiceRunner,
         LeadingScope,
         ServiceFunction,
     )
-    from celery_nats_leader.nats.connection import ConnectOptions
 
 logger = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ class BaseElection(abc.ABC):
 
         Waits for leadership, then runs the block; if the term ends inside,
         the block is cancelled and raises
-        :class:`~celery_nats_leader.errors.LeadershipLostError`.
+        :class:`~celery_nats_leader.core.errors.LeadershipLostError`.
 
         Args:
             timeout: Seconds to wait for leadership (``TimeoutError`` after).

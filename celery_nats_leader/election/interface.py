@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from celery_nats_leader.backend import Backend
 from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.core.backend import Backend
+from celery_nats_leader.core.errors import ElectionError
 from celery_nats_leader.election.leader_services import (
     LeaderServiceRunner,
     LeadingScope,
@@ -23,7 +24,6 @@ from celery_nats_leader.election.vocabulary import (
     LeaderChangeCallback,
     PromoteCallback,
 )
-from celery_nats_leader.errors import ElectionError
 from celery_nats_leader.term.record import LeaderRecord
 from celery_nats_leader.term.token import FencingToken
 

@@ -29,14 +29,10 @@ import uuid
 from collections import deque
 from typing import Any
 
-from celery_nats_leader.backend import Backend, Bucket, KVEntry, Operation
-from celery_nats_leader.backoff import Backoff
-from celery_nats_leader.config import constants as c
-from celery_nats_leader.election.base import BaseElection
-from celery_nats_leader.election.follower_view import FollowerView
-from celery_nats_leader.election.roster import Roster
-from celery_nats_leader.election.vocabulary import DemoteReason, ElectionState, control_subject
-from celery_nats_leader.errors import (
+from celery_nats_leader.core import constants as c
+from celery_nats_leader.core.backend import Backend, Bucket, KVEntry, Operation
+from celery_nats_leader.core.backoff import Backoff
+from celery_nats_leader.core.errors import (
     BackendError,
     BackendTimeoutError,
     BucketConfigError,
@@ -49,6 +45,10 @@ from celery_nats_leader.errors import (
     RecordFormatError,
     RevisionMismatchError,
 )
+from celery_nats_leader.election.base import BaseElection
+from celery_nats_leader.election.follower_view import FollowerView
+from celery_nats_leader.election.roster import Roster
+from celery_nats_leader.election.vocabulary import DemoteReason, ElectionState, control_subject
 from celery_nats_leader.term import read_term
 from celery_nats_leader.term.record import LeaderRecord, decode_record, encode_record
 from celery_nats_leader.term.token import FencingToken

@@ -55,8 +55,8 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from celery_nats_leader.core.errors import LeadershipLostError
 from celery_nats_leader.election.vocabulary import DemoteReason, ElectionState, ServiceHost
-from celery_nats_leader.errors import LeadershipLostError
 
 if TYPE_CHECKING:
     from celery_nats_leader.term.token import FencingToken
@@ -418,7 +418,7 @@ class LeadingScope:
 
     Entering waits until this process leads. If the term ends inside the
     block, the task running it is cancelled and the block exits with
-    :class:`~celery_nats_leader.errors.LeadershipLostError` (the way
+    :class:`~celery_nats_leader.core.errors.LeadershipLostError` (the way
     ``asyncio.timeout()`` turns its cancellation into ``TimeoutError``).
 
     Args:

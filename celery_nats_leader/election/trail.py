@@ -1,6 +1,6 @@
 """The event trail of one election: its transitions, published in order.
 
-Each election publishes one :class:`~celery_nats_leader.events.TransitionEvent`
+Each election publishes one :class:`~celery_nats_leader.election.events.TransitionEvent`
 per transition of its own on ``_NATS_LEADER_EVENTS.<bucket>.<role>``
 (:func:`~celery_nats_leader.election.vocabulary.event_subject`). Events are
 queued and published by a task of their own, never on the renewal path; a
@@ -17,12 +17,12 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
-from celery_nats_leader.backend import Backend
-from celery_nats_leader.clock import Clock
 from celery_nats_leader.config import ElectionConfig
-from celery_nats_leader.config import constants as c
+from celery_nats_leader.core import constants as c
+from celery_nats_leader.core.backend import Backend
+from celery_nats_leader.core.clock import Clock
+from celery_nats_leader.election.events import EventKind, TransitionEvent, kind_of
 from celery_nats_leader.election.vocabulary import DemoteReason, event_subject
-from celery_nats_leader.events import EventKind, TransitionEvent, kind_of
 
 
 class EventTrail:

@@ -3,7 +3,7 @@
 States, demote reasons, the callback types, the subjects an election speaks
 on, and :class:`ServiceHost`, what leader services need of an election.
 Nothing here runs an election: :mod:`.base`, :mod:`.kv`, :mod:`.allcall`,
-:mod:`.leader_services`, :mod:`.interface` and :mod:`celery_nats_leader.events`
+:mod:`.leader_services`, :mod:`.interface` and :mod:`celery_nats_leader.election.events`
 import these names from here, so none of them has to import another's
 implementation for a word.
 """
@@ -14,11 +14,11 @@ import enum
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
-from celery_nats_leader.config import constants as c
+from celery_nats_leader.core import constants as c
 
 if TYPE_CHECKING:
     from celery_nats_leader.config import ElectionConfig
-    from celery_nats_leader.errors import ElectionError
+    from celery_nats_leader.core.errors import ElectionError
     from celery_nats_leader.term.record import LeaderRecord
     from celery_nats_leader.term.token import FencingToken
 

@@ -4,7 +4,7 @@ Every nats-py error is translated here into the package's errors, with
 ``raise ... from`` so the original stays attached.
 
 Election writes never sit in nats-py's reconnect buffer: a write is refused
-with :class:`~celery_nats_leader.errors.NotConnectedError` while the
+with :class:`~celery_nats_leader.core.errors.NotConnectedError` while the
 connection is down (a buffered renewal could land long after the leader
 stepped down). Connections made by :func:`celery_nats_leader.nats.connection.connect`
 also disable the buffer entirely (``pending_size=0``).
@@ -29,7 +29,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
-from celery_nats_leader.backend import (
+from celery_nats_leader.core.backend import (
     BucketInfo,
     KVEntry,
     MessageHandler,
@@ -38,7 +38,7 @@ from celery_nats_leader.backend import (
     StreamState,
     WatchCallback,
 )
-from celery_nats_leader.errors import (
+from celery_nats_leader.core.errors import (
     BackendError,
     BackendTimeoutError,
     BucketConfigError,

@@ -16,7 +16,7 @@ import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from celery_nats_leader.backend import (
+from celery_nats_leader.core.backend import (
     BucketInfo,
     KVEntry,
     MessageHandler,
@@ -25,8 +25,8 @@ from celery_nats_leader.backend import (
     StreamState,
     WatchCallback,
 )
-from celery_nats_leader.clock import SYSTEM_CLOCK, Clock
-from celery_nats_leader.errors import (
+from celery_nats_leader.core.clock import SYSTEM_CLOCK, Clock
+from celery_nats_leader.core.errors import (
     BackendError,
     BackendTimeoutError,
     BucketConfigError,

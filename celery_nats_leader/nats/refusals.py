@@ -4,7 +4,7 @@ NATS reports a permission violation asynchronously (an ``-ERR`` that nats-py
 hands to the error callback); the operation that caused it only sees a
 timeout. The connection's error callback notes each refusal here, and the
 backend turns a timeout that follows one into a
-:class:`~celery_nats_leader.errors.PermissionDeniedError` naming the subject.
+:class:`~celery_nats_leader.core.errors.PermissionDeniedError` naming the subject.
 """
 
 from __future__ import annotations

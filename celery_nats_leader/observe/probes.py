@@ -2,7 +2,7 @@
 
 One small HTTP server on a daemon thread, served on the metrics port of a
 worker (``nats_leader_metrics_port``) or of any program hosting an
-:class:`~celery_nats_leader.elector.Elector` (a beat process, a web app)::
+:class:`~celery_nats_leader.election.elector.Elector` (a beat process, a web app)::
 
     server = ProbeServer.for_elector(elector, registry=observer.registry)
     port = server.serve(9808)
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from celery_nats_leader.election import ElectionState
 
 if TYPE_CHECKING:
-    from celery_nats_leader.elector import Elector
+    from celery_nats_leader.election.elector import Elector
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
 metrics in a registry of its own (so that several electors in one process, or
 in one test run, do not collide). The worker bootstep serves it on
 ``nats_leader_metrics_port``; any other program can pass it to an
-:class:`~celery_nats_leader.elector.Elector` and serve or merge its registry.
+:class:`~celery_nats_leader.election.elector.Elector` and serve or merge its registry.
 
 Metrics (labels ``bucket``, ``role`` and ``instance_id``; the prefix
 ``nats_leader`` is the ``namespace`` argument, ``nats_leader_metrics_namespace``
@@ -43,8 +43,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery_nats_leader.config.constants import DEFAULT_METRICS_NAMESPACE
-from celery_nats_leader.errors import ConfigError
+from celery_nats_leader.core.constants import DEFAULT_METRICS_NAMESPACE
+from celery_nats_leader.core.errors import ConfigError
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -56,9 +56,9 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     ) from exc
 
 if TYPE_CHECKING:
+    from celery_nats_leader.core.errors import ElectionError
     from celery_nats_leader.election import DemoteReason
-    from celery_nats_leader.elector import Elector, RoleHandle
-    from celery_nats_leader.errors import ElectionError
+    from celery_nats_leader.election.elector import Elector, RoleHandle
     from celery_nats_leader.term.record import LeaderRecord
 
 logger = logging.getLogger(__name__)

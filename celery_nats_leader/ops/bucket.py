@@ -14,9 +14,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from celery_nats_leader.backend import Backend, BucketInfo
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.errors import (
+from celery_nats_leader.core.backend import Backend, BucketInfo
+from celery_nats_leader.core.errors import (
     BucketNotFoundError,
     ConfigError,
     ElectionError,

@@ -34,17 +34,17 @@ from typing import Any
 
 import click
 
-from celery_nats_leader.backend import Backend
-from celery_nats_leader.config import constants as c
 from celery_nats_leader.config import validate_bucket, validate_key
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.errors import (
+from celery_nats_leader.core import constants as c
+from celery_nats_leader.core.backend import Backend
+from celery_nats_leader.core.errors import (
     BackendTimeoutError,
     ConfigError,
     ElectionError,
     NotLeaderError,
 )
-from celery_nats_leader.events import TransitionEvent
+from celery_nats_leader.election.events import TransitionEvent
 from celery_nats_leader.ops.bucket import (
     BucketAction,
     BucketOutcome,

@@ -13,9 +13,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from celery_nats_leader.backend import Backend, Subscription
-from celery_nats_leader.errors import JetStreamUnavailableError
-from celery_nats_leader.events import TransitionEvent, event_subject, events_stream
+from celery_nats_leader.core.backend import Backend, Subscription
+from celery_nats_leader.core.errors import JetStreamUnavailableError
+from celery_nats_leader.election.events import TransitionEvent, event_subject, events_stream
 
 logger = logging.getLogger(__name__)
 

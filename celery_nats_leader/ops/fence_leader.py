@@ -57,18 +57,18 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from celery_nats_leader.backend import Backend, KVEntry, Operation
-from celery_nats_leader.config import constants as c
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.election.control import ResignAnswer, ResignRequest
-from celery_nats_leader.election.vocabulary import control_subject
-from celery_nats_leader.errors import (
+from celery_nats_leader.core import constants as c
+from celery_nats_leader.core.backend import Backend, KVEntry, Operation
+from celery_nats_leader.core.errors import (
     BackendTimeoutError,
     ElectionError,
     NotLeaderError,
     RecordFormatError,
     RevisionMismatchError,
 )
+from celery_nats_leader.election.control import ResignAnswer, ResignRequest
+from celery_nats_leader.election.vocabulary import control_subject
 from celery_nats_leader.ops.oneshot import with_backend
 from celery_nats_leader.term.record import LeaderRecord, decode_record, encode_fence
 

@@ -5,8 +5,8 @@ admin page each do one short piece of work on a connection of their own:
 :func:`with_backend` opens a backend from the settings, runs the operation
 on it and closes it, on :func:`run_sync` (``asyncio.run``, right for a
 one-shot command); long-lived processes use the
-:class:`~celery_nats_leader.elector.Elector` or the
-:class:`~celery_nats_leader.process_client.ProcessClient` instead.
+:class:`~celery_nats_leader.election.elector.Elector` or the
+:class:`~celery_nats_leader.nats.process_client.ProcessClient` instead.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from celery_nats_leader.nats import open_backend
 
 if TYPE_CHECKING:
-    from celery_nats_leader.backend import Backend
     from celery_nats_leader.config.settings import LeaderSettings
+    from celery_nats_leader.core.backend import Backend
 
 T = TypeVar("T")
 
@@ -107,11 +107,6 @@ def with_backend(
             return await operation(backend)
 
     return run_sync(run)
-
-
-#: The former name of :func:`run_sync`, kept as an import path; the package's
-#: ``run_once`` is the Celery task decorator (:func:`celery_nats_leader.run_once`).
-run_once = run_sync
 
 
 def operator_name(tool: str) -> str:

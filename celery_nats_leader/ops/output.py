@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from celery_nats_leader.ops.status import RoleStatus, StatusReport
+from celery_nats_leader.election.status import RoleStatus, StatusReport
 
 #: Exit code: all is well.
 EXIT_OK = 0

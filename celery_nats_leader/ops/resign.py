@@ -15,15 +15,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from celery_nats_leader.backend import Backend, KVEntry
 from celery_nats_leader.config import Strategy
-from celery_nats_leader.config import constants as c
 from celery_nats_leader.config.settings import LeaderSettings
+from celery_nats_leader.core import constants as c
+from celery_nats_leader.core.backend import Backend, KVEntry
+from celery_nats_leader.core.errors import BackendTimeoutError, ElectionError, NotLeaderError
 from celery_nats_leader.election.control import ResignAnswer, ResignRequest
+from celery_nats_leader.election.status import read_report
 from celery_nats_leader.election.vocabulary import control_subject
-from celery_nats_leader.errors import BackendTimeoutError, ElectionError, NotLeaderError
 from celery_nats_leader.ops.oneshot import with_backend
-from celery_nats_leader.ops.status import read_report
 from celery_nats_leader.term import read_term, term_of
 from celery_nats_leader.term.record import LeaderRecord
 

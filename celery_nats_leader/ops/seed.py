@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone, tzinfo
 from typing import TYPE_CHECKING, Any
 
-from celery_nats_leader.backend import Backend, Bucket
 from celery_nats_leader.beat.schedule_store import EntryState, decode_state, encode_state, state_key
 from celery_nats_leader.beat.ticks import slot_text, to_utc
-from celery_nats_leader.errors import ConfigError, KeyExistsError, RevisionMismatchError
+from celery_nats_leader.core.backend import Backend, Bucket
+from celery_nats_leader.core.errors import ConfigError, KeyExistsError, RevisionMismatchError
 from celery_nats_leader.ops.oneshot import with_backend
 
 if TYPE_CHECKING:

@@ -43,8 +43,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from celery_nats_leader.backend import Bucket
-from celery_nats_leader.errors import (
+from celery_nats_leader.core.backend import Bucket
+from celery_nats_leader.core.errors import (
     BackendTimeoutError,
     ElectionError,
     KeyExistsError,

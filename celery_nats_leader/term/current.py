@@ -10,7 +10,7 @@ worker-side beat check (:class:`~celery_nats_leader.beat.dispatch_fence.Dispatch
 * :meth:`Term.holds` is the one "does the store still hold this term" check.
 * :func:`read_term` reads it from an open bucket (async code).
 * :class:`TermReader` reads it from synchronous code in any process, through
-  the process's one :class:`~celery_nats_leader.process_client.ProcessClient`
+  the process's one :class:`~celery_nats_leader.nats.process_client.ProcessClient`
   (never ``asyncio.run`` per call: that would reconnect every time).
 """
 
@@ -20,14 +20,14 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from celery_nats_leader.backend import Bucket, KVEntry, Operation
-from celery_nats_leader.errors import ElectionError, RecordFormatError
-from celery_nats_leader.process_client import ProcessClient
+from celery_nats_leader.core.backend import Bucket, KVEntry, Operation
+from celery_nats_leader.core.errors import ElectionError, RecordFormatError
+from celery_nats_leader.nats.process_client import ProcessClient
 from celery_nats_leader.term.record import LeaderRecord, decode_record
 from celery_nats_leader.term.token import FencingToken
 
 if TYPE_CHECKING:
-    from celery_nats_leader.nats.connection import ConnectOptions
+    from celery_nats_leader.config.connection import ConnectOptions
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class TermReader:
     """Reads roles' current terms from synchronous code, in this process.
 
     Reads go through the process's one
-    :class:`~celery_nats_leader.process_client.ProcessClient` for
+    :class:`~celery_nats_leader.nats.process_client.ProcessClient` for
     ``connection``: the first read of the process starts its event-loop
     thread and opens its connection, later reads cost one KV round trip. A
     reader inherited over ``fork()`` reads through the child's own client.

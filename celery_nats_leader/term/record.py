@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_nats_leader.config.constants import FENCE_ID, RECORD_VERSION
-from celery_nats_leader.errors import RecordFormatError
+from celery_nats_leader.core.constants import FENCE_ID, RECORD_VERSION
+from celery_nats_leader.core.errors import RecordFormatError
 from celery_nats_leader.term.token import FencingToken
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from celery_nats_leader.errors import RecordFormatError
+from celery_nats_leader.core.errors import RecordFormatError
 
 #: The smallest ALLCALL epoch. ALLCALL epochs are wall-clock milliseconds (at
 #: least this value: 2001-09-09); KV epochs are stream revisions, which stay

@@ -12,16 +12,14 @@ exercise leader election against a real ``nats-server`` instead of mocks:
 * :class:`FaultProxy` (asyncio) and :class:`ThreadedFaultProxy` (own thread,
   sync API) sit between a client and a server and simulate partitions
   (blackhole), connection resets, refused connections and latency.
-* :class:`CandidateGroup` runs election candidates as child processes
-  (``python -m celery_nats_leader.testing.candidate``) that print their events
-  as JSON lines, and can kill, pause, resume and command them.
 
 One module per part: :mod:`.ports`, :mod:`.nats_server`, :mod:`.cluster`,
-:mod:`.server_binaries`, :mod:`.fault_proxy`, :mod:`.candidate` (the child
-program), :mod:`.candidate_control` (the parent side), :mod:`.process`,
+:mod:`.server_binaries`, :mod:`.fault_proxy`, :mod:`.process`,
 :mod:`.kombu_fs` (the example project's broker) and :mod:`.pytest_plugin`
 (fixtures for an application's own tests; see "Testing your code"). This
-project's chaos soak is not shipped: it lives in the repository's ``tests/chaos``.
+project's own harness is not shipped: the candidate processes and their
+control live in the repository's ``tests/harness``, the chaos soak in
+``tests/chaos``.
 
 The ``nats-server`` binary is looked up by :func:`find_nats_server_binary`
 (``$NATS_SERVER_BIN``, ``$NATS_SERVER_VERSION``, ``PATH``, then
@@ -31,12 +29,6 @@ The ``nats-server`` binary is looked up by :func:`find_nats_server_binary`
 
 from __future__ import annotations
 
-from celery_nats_leader.testing.candidate_control import (
-    CandidateEvent,
-    CandidateGroup,
-    CandidateProcess,
-    leadership_overlap,
-)
 from celery_nats_leader.testing.cluster import NatsCluster
 from celery_nats_leader.testing.fault_proxy import FaultProxy, ThreadedFaultProxy
 from celery_nats_leader.testing.nats_server import (
@@ -56,9 +48,6 @@ from celery_nats_leader.testing.server_binaries import (
 __all__ = [
     "READY_MARKER",
     "ROUTES_READY_MARKER",
-    "CandidateEvent",
-    "CandidateGroup",
-    "CandidateProcess",
     "FaultProxy",
     "NatsCluster",
     "NatsServer",
@@ -67,7 +56,6 @@ __all__ = [
     "binary_version",
     "find_nats_server_binary",
     "free_port",
-    "leadership_overlap",
     "server_binary",
     "system_binary",
 ]

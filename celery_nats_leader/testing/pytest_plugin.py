@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from celery_nats_leader.elector import Elector
+    from celery_nats_leader.election.elector import Elector
     from celery_nats_leader.nats.memory import MemoryServer
     from celery_nats_leader.term.token import FencingToken
     from celery_nats_leader.testing.nats_server import NatsServer
@@ -95,7 +95,7 @@ def nats_leader_elector(nats_leader_memory: MemoryServer) -> Iterator[Elector]:
 
     Add roles with ``create_bucket=True`` (the in-memory store starts empty).
     """
-    from celery_nats_leader.elector import Elector
+    from celery_nats_leader.election.elector import Elector
     from celery_nats_leader.nats.memory import MemoryBackend
 
     elector = Elector(
@@ -248,7 +248,7 @@ class Leadership:
         return self._tokens.get(role) == token and role not in self._invalid
 
     def _publish(self, role: str) -> None:
-        from celery_nats_leader.nats.connection import ConnectOptions
+        from celery_nats_leader.config.connection import ConnectOptions
         from celery_nats_leader.worker import shared_leadership
 
         if role not in self._roles:

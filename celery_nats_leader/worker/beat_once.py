@@ -27,7 +27,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from celery_nats_leader.beat.dispatch_fence import ONCE_HEADER, TICK_HEADER
+from celery_nats_leader.core.constants import ONCE_HEADER, TICK_HEADER
 from celery_nats_leader.worker.once_tasks import run_task_once
 
 __all__ = ["guard_beat_ticks", "is_once_tick"]

@@ -26,13 +26,13 @@ from typing import Any, NoReturn
 
 from celery import bootsteps
 
-from celery_nats_leader.celery_compat import (
+from celery_nats_leader.config.settings import LeaderSettings
+from celery_nats_leader.core.errors import ConfigError, ElectionError
+from celery_nats_leader.worker.celery_compat import (
     hub_wakes_on_call_soon,
     immediate_acks,
     pool_shutdown_tells_every_process,
 )
-from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.worker.election import WorkerElection
 from celery_nats_leader.worker.tasks import install_routing
 

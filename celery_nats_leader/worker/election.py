@@ -2,7 +2,7 @@
 
 One :class:`WorkerElection` per worker, in the worker's main process:
 
-* one :class:`~celery_nats_leader.elector.Elector` (one event-loop thread, one
+* one :class:`~celery_nats_leader.election.elector.Elector` (one event-loop thread, one
   NATS connection) campaigning for ``nats_leader_roles``;
 * the shared-memory slots through which prefork children learn the term
   (:mod:`celery_nats_leader.worker.shared_leadership`), kept current from the elector's
@@ -26,11 +26,11 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery_nats_leader.config.settings import LeaderSettings
+from celery_nats_leader.core.errors import ConfigError, ElectionError
 from celery_nats_leader.election import DemoteReason, ElectionState
+from celery_nats_leader.election.elector import Elector, RoleHandle
 from celery_nats_leader.election.leader_services import LeaderServiceRunner
 from celery_nats_leader.election.observer import ElectionObserver
-from celery_nats_leader.elector import Elector, RoleHandle
-from celery_nats_leader.errors import ConfigError, ElectionError
 from celery_nats_leader.observe.probes import ProbeServer
 from celery_nats_leader.term.token import FencingToken
 from celery_nats_leader.worker import shared_leadership

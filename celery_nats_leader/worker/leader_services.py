@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery_nats_leader.config import validate_key
+from celery_nats_leader.core.errors import ConfigError
 from celery_nats_leader.election.leader_services import LeaderContext, ServiceFunction
-from celery_nats_leader.errors import ConfigError
 
 __all__ = ["ServiceSpec", "leader_service", "registered_services"]
 

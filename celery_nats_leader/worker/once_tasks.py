@@ -59,18 +59,18 @@ from celery._state import get_current_task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.log import get_task_logger
 
-from celery_nats_leader.backend import Bucket
-from celery_nats_leader.backoff import retry_transient
-from celery_nats_leader.celery_compat import replaced_task_nesting
 from celery_nats_leader.config.settings import LeaderSettings, settings_of_app
-from celery_nats_leader.errors import (
+from celery_nats_leader.core.backend import Bucket
+from celery_nats_leader.core.backoff import retry_transient
+from celery_nats_leader.core.errors import (
     BucketConfigError,
     BucketNotFoundError,
     ElectionError,
     PermissionDeniedError,
 )
-from celery_nats_leader.process_client import ProcessClient
+from celery_nats_leader.nats.process_client import ProcessClient
 from celery_nats_leader.recipes.once_guard import Claim, ClaimLostError, OnceGuard, Verdict
+from celery_nats_leader.worker.celery_compat import replaced_task_nesting
 from celery_nats_leader.worker.refused import NotRun
 
 __all__ = ["OnceService", "OnceTask", "run_once", "run_task_once"]
@@ -90,7 +90,7 @@ class OnceService:
     """The once-guard of one worker process, on the process's NATS client.
 
     One per process and settings (:meth:`for_settings`), kept by the
-    process's :class:`~celery_nats_leader.process_client.ProcessClient`,
+    process's :class:`~celery_nats_leader.nats.process_client.ProcessClient`,
     whose loop thread and connection it uses (opened at first use, after the
     fork of a prefork child).
 

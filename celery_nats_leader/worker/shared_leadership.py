@@ -1,6 +1,6 @@
 """Leadership state shared by a worker's main process and its pool children.
 
-The :class:`~celery_nats_leader.elector.Elector` lives in the worker's main
+The :class:`~celery_nats_leader.election.elector.Elector` lives in the worker's main
 process. With the prefork pool, tasks run in forked children, which must
 answer "does my worker lead role R, and with which token?" without asking the
 parent. The parent therefore publishes, per role, the term's epoch, token and
@@ -22,7 +22,7 @@ it fails closed ("not leader").
 
 ``validate=True`` needs a KV read. In a child it goes through a
 :class:`~celery_nats_leader.term.TermReader`, on the child's one
-:class:`~celery_nats_leader.process_client.ProcessClient` (the event-loop
+:class:`~celery_nats_leader.nats.process_client.ProcessClient` (the event-loop
 thread and NATS connection that the once-guard and the beat fence use too).
 """
 
@@ -43,7 +43,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from celery_nats_leader.nats import ConnectOptions
+from celery_nats_leader.config.connection import ConnectOptions
 from celery_nats_leader.term import TermReader
 from celery_nats_leader.term.token import FencingToken
 

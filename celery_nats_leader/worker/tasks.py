@@ -29,8 +29,8 @@ What it does:
   message routed elsewhere): ``"requeue"`` (default) gives the message back
   to the leader queue without running it; ``"skip"`` drops it with a log line
   (for per-node or broadcast patterns); ``"raise"`` fails the task with
-  :class:`~celery_nats_leader.errors.NotLeaderError`.
-* If the body raises :class:`~celery_nats_leader.errors.LeadershipLostError`
+  :class:`~celery_nats_leader.core.errors.NotLeaderError`.
+* If the body raises :class:`~celery_nats_leader.core.errors.LeadershipLostError`
   (for example because a fenced write was refused), the same policy applies:
   with ``"requeue"`` the message goes back to the leader queue for the current
   leader.
@@ -55,10 +55,10 @@ from celery import Task
 from celery._state import get_current_task
 from celery.exceptions import Reject
 
-from celery_nats_leader.config import constants as c
 from celery_nats_leader.config import validate_key
 from celery_nats_leader.config.settings import settings_of_app
-from celery_nats_leader.errors import ConfigError, LeadershipLostError, NotLeaderError
+from celery_nats_leader.core import constants as c
+from celery_nats_leader.core.errors import ConfigError, LeadershipLostError, NotLeaderError
 from celery_nats_leader.term.token import FencingToken
 from celery_nats_leader.worker import shared_leadership
 from celery_nats_leader.worker.refused import NotRun

@@ -9,7 +9,7 @@ from django.core.management.base import CommandError
 
 from celery_nats_leader.config import validate_key
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.errors import ConfigError, ElectionError, NotLeaderError
+from celery_nats_leader.core.errors import ConfigError, ElectionError, NotLeaderError
 from celery_nats_leader.ops.output import EXIT_ERROR, EXIT_NO_LEADER
 from django_nats_leader import conf
 

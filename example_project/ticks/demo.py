@@ -39,8 +39,9 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.test.utils import override_settings
 
-from celery_nats_leader.errors import ElectionError
-from celery_nats_leader.nats import ConnectOptions, open_backend
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.core.errors import ElectionError
+from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.bucket import delete_bucket
 from celery_nats_leader.ops.oneshot import run_sync
 from celery_nats_leader.ops.status import fetch_report

@@ -3,7 +3,7 @@
 Two tiers, as for the KV strategy:
 
 * ``cluster``: candidates on the in-memory backend, all driven by one
-  :class:`~celery_nats_leader.clock.ManualClock`. Logical time only moves when
+  :class:`~celery_nats_leader.core.clock.ManualClock`. Logical time only moves when
   a test advances it, in steps of ``STEP``; after every step each election is
   woken and the event loop runs until no message is in flight. Each candidate
   has its own wall clock (the manual clock plus an offset), to play hosts
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery_nats_leader import DemoteReason, ElectionConfig, FencingToken
-from celery_nats_leader.clock import ManualClock
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.core.clock import ManualClock
 from celery_nats_leader.election.allcall import AllcallElection
-from celery_nats_leader.nats.connection import ConnectOptions
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.term.record import LeaderRecord
 

@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from celery_nats_leader import DemoteReason, ElectionConfig, FencingToken
+from celery_nats_leader.config.connection import ConnectOptions
 from celery_nats_leader.election.allcall import AllcallElection
-from celery_nats_leader.nats.connection import ConnectOptions
 
 
 def emit(event: str, **fields: Any) -> None:

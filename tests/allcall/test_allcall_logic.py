@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from celery_nats_leader import DemoteReason, ElectionConfig, ElectionState
+from celery_nats_leader.core.errors import ConfigError
 from celery_nats_leader.election import KvElection, control_subject
 from celery_nats_leader.election.allcall import AllcallElection, Phase
 from celery_nats_leader.election.allcall_protocol import (
@@ -28,7 +29,6 @@ from celery_nats_leader.election.allcall_protocol import (
     encode_message,
 )
 from celery_nats_leader.election.interface import new_election
-from celery_nats_leader.errors import ConfigError
 from celery_nats_leader.nats.memory import MemoryBackend
 from tests.allcall.helpers import HB, SKEW, STEP, T0, TTL, MemoryCluster, Node
 

@@ -39,8 +39,8 @@ from nats.js.api import KeyValueConfig
 
 from celery_nats_leader.beat.schedule_store import EntryState, decode_state, state_key
 from celery_nats_leader.beat.ticks import slot_text
-from celery_nats_leader.errors import RecordFormatError
-from celery_nats_leader.loop_thread import EventLoopThread
+from celery_nats_leader.core.errors import RecordFormatError
+from celery_nats_leader.core.loop_thread import EventLoopThread
 from celery_nats_leader.term.record import LeaderRecord, decode_record
 from celery_nats_leader.testing import NatsServer
 from tests.support import REPO

@@ -32,12 +32,12 @@ from celery.beat import PersistentScheduler
 from celery.schedules import crontab, schedstate, schedule, solar
 
 from celery_nats_leader.beat import LeaderScheduler
-from celery_nats_leader.celery_compat import (
+from celery_nats_leader.testing import NatsServer
+from celery_nats_leader.worker.celery_compat import (
     crontab_catches_up_across_days,
     crontab_deadline_counts_the_due_slot,
     crontab_uses_its_timezone,
 )
-from celery_nats_leader.testing import NatsServer
 
 pytestmark = [pytest.mark.integration]
 

@@ -17,8 +17,8 @@ import pytest
 
 from celery_nats_leader.beat.dispatcher import Outcome, Tick, TickDispatcher
 from celery_nats_leader.beat.schedule_store import EntryState, ScheduleStateStore
-from celery_nats_leader.elector import Elector
-from celery_nats_leader.errors import BackendTimeoutError
+from celery_nats_leader.core.errors import BackendTimeoutError
+from celery_nats_leader.election.elector import Elector
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.term.token import FencingToken
 

@@ -24,8 +24,8 @@ from celery.schedules import schedule
 from celery_nats_leader.beat import LeaderScheduler
 from celery_nats_leader.config import ElectionConfig
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.elector import Elector
-from celery_nats_leader.errors import ConfigError
+from celery_nats_leader.core.errors import ConfigError
+from celery_nats_leader.election.elector import Elector
 from celery_nats_leader.testing import NatsServer
 from celery_nats_leader.worker.election import WorkerElection
 

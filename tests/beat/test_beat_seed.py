@@ -22,7 +22,7 @@ from click.testing import CliRunner, Result
 from redbeat.decoder import RedBeatJSONDecoder, RedBeatJSONEncoder
 
 from celery_nats_leader.beat.schedule_store import state_key
-from celery_nats_leader.errors import ConfigError
+from celery_nats_leader.core.errors import ConfigError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.ops.cli import nats_leader
 from celery_nats_leader.ops.seed import (

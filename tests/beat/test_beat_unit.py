@@ -23,7 +23,6 @@ import pytest
 from celery import Celery
 from celery.schedules import crontab, schedule
 
-from celery_nats_leader.backend import KVEntry
 from celery_nats_leader.beat import (
     DISPATCHER_HEADER,
     ENTRY_HEADER,
@@ -39,15 +38,15 @@ from celery_nats_leader.beat import (
 from celery_nats_leader.beat.introspection import interval_of
 from celery_nats_leader.beat.schedule_store import EntryState, decode_state, encode_state, state_key
 from celery_nats_leader.beat.ticks import TickPlanner, next_slot, parse_slot, slot_text
-from celery_nats_leader.celery_compat import slot_schedule
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.elector import Elector
-from celery_nats_leader.errors import (
+from celery_nats_leader.core.backend import KVEntry
+from celery_nats_leader.core.errors import (
     BucketConfigError,
     BucketNotFoundError,
     ConfigError,
     NatsUnavailableError,
 )
+from celery_nats_leader.election.elector import Elector
 from celery_nats_leader.nats.memory import (
     MemoryBackend,
     MemoryServer,
@@ -55,6 +54,7 @@ from celery_nats_leader.nats.memory import (
     _Stored,
 )
 from celery_nats_leader.term.record import encode_record
+from celery_nats_leader.worker.celery_compat import slot_schedule
 
 UTC = timezone.utc
 T0 = datetime(2024, 5, 1, 11, 59, 30, 250000, tzinfo=UTC)

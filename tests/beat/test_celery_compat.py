@@ -21,9 +21,9 @@ import pytest
 from celery import Celery
 from celery.schedules import crontab, solar
 
-from celery_nats_leader import celery_compat
 from celery_nats_leader.beat.ticks import next_slot
-from celery_nats_leader.celery_compat import CrontabSlots, SolarSlots, slot_schedule
+from celery_nats_leader.worker import celery_compat
+from celery_nats_leader.worker.celery_compat import CrontabSlots, SolarSlots, slot_schedule
 
 UTC = timezone.utc
 

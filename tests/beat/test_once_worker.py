@@ -22,7 +22,7 @@ import pytest
 from cnl_beat_app import make_app
 from cnl_beat_harness import BeatCluster, wait_for
 
-from celery_nats_leader.beat.dispatch_fence import ONCE_HEADER, TICK_HEADER
+from celery_nats_leader.core.constants import ONCE_HEADER, TICK_HEADER
 
 pytestmark = [pytest.mark.integration, pytest.mark.celery, pytest.mark.timeout(180)]
 

@@ -27,7 +27,8 @@ from typing import Any
 
 from cnl_celery_ledger import Ledger
 
-from celery_nats_leader.nats import ConnectOptions, open_backend
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.nats import open_backend
 from celery_nats_leader.testing import NatsServer
 from tests.support import REPO
 from tests.support.brokers import Broker

@@ -14,7 +14,7 @@ import pytest
 from celery import Celery
 
 from celery_nats_leader import LeaderTask, install, leader_only
-from celery_nats_leader.errors import ConfigError
+from celery_nats_leader.core.errors import ConfigError
 from celery_nats_leader.worker import shared_leadership
 from celery_nats_leader.worker.shared_leadership import SharedLeadership
 from celery_nats_leader.worker.tasks import leader_options, upgrade_tasks

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from cnl_celery_harness import Cluster, run_cli, wait_for
 
-from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.nats.connection import connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.testing import NatsServer, free_port
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from cnl_celery_harness import Cluster, wait_for
 
-from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.nats.connection import connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.ops.fence_leader import fence_leader
 from celery_nats_leader.testing import free_port

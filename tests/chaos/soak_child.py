@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from celery_nats_leader import DemoteReason, ElectionConfig, ElectionError, KvElection
+from celery_nats_leader.config.connection import ConnectOptions
 from celery_nats_leader.election.observer import NullObserver
-from celery_nats_leader.nats.connection import ConnectionListener, ConnectOptions, open_backend
+from celery_nats_leader.nats.connection import ConnectionListener, open_backend
 from celery_nats_leader.term.token import FencingToken
 
 __all__ = ["EventLog", "FileFence", "main", "pg_settings"]

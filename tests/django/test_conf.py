@@ -9,7 +9,7 @@ from celery import Celery
 from django.test import override_settings
 
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.errors import ConfigError
+from celery_nats_leader.core.errors import ConfigError
 from django_nats_leader import conf
 
 

@@ -19,8 +19,8 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
+from celery_nats_leader.core.errors import LeadershipLostError
 from celery_nats_leader.election.allcall_protocol import new_epoch
-from celery_nats_leader.errors import LeadershipLostError
 from celery_nats_leader.term.token import FencingToken, epoch_strategy
 from django_nats_leader.fencing import (
     StaleLeaderError,

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import pytest
 from django.db import connections, transaction
 
-from celery_nats_leader.errors import ElectionError, LeadershipLostError
+from celery_nats_leader.core.errors import ElectionError, LeadershipLostError
 from celery_nats_leader.term.token import FencingToken
 from django_nats_leader.fencing import StaleLeaderError, current_epoch, fenced
 from django_nats_leader.models import FenceEpoch

@@ -21,11 +21,12 @@ from django.core.management.base import CommandError
 
 from celery_nats_leader.ops.fence_leader import FenceOutcome
 from celery_nats_leader.term.token import ALLCALL_EPOCH_FLOOR
-from celery_nats_leader.testing import CandidateGroup, NatsServer
+from celery_nats_leader.testing import NatsServer
 from django_nats_leader.fencing import StaleLeaderError, current_epoch, fenced
 from django_nats_leader.management.commands import election_fence
 from tests.django.conftest import Candidates, require_postgres
 from tests.django.test_admin_operations import URL, operator
+from tests.harness.candidate_control import CandidateGroup
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,8 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from celery_nats_leader.testing import CandidateGroup, NatsServer, ThreadedFaultProxy
+from celery_nats_leader.testing import NatsServer, ThreadedFaultProxy
+from tests.harness.candidate_control import CandidateGroup
 from tests.integration.helpers import (
     BUCKET,
     LocalElections,

@@ -3,7 +3,7 @@
 Two kinds of candidates:
 
 * :class:`~celery_nats_leader.testing.CandidateGroup`: child processes
-  (``python -m celery_nats_leader.testing.candidate``), for everything a
+  (``python -m tests.harness.candidate``), for everything a
   process does to itself: crash (SIGKILL), freeze (SIGSTOP), stop (SIGTERM).
   Their events carry ``time.monotonic()`` of the child, which on Linux is the
   same clock as the test's, so times of different processes compare.
@@ -28,9 +28,11 @@ from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 
 from celery_nats_leader import DemoteReason, ElectionConfig, ElectionError, FencingToken, KvElection
-from celery_nats_leader.nats import ConnectOptions, JetStreamBackend
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.nats import JetStreamBackend
 from celery_nats_leader.term.record import LeaderRecord, decode_record
-from celery_nats_leader.testing import CandidateEvent, CandidateGroup, NatsServer
+from celery_nats_leader.testing import NatsServer
+from tests.harness.candidate_control import CandidateEvent, CandidateGroup
 
 T = TypeVar("T")
 

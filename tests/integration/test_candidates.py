@@ -1,7 +1,7 @@
 """Candidates as separate processes against a real nats-server.
 
 What a user sees: who leads, the term's epoch, how long a failover took.
-Every candidate is a child process (``celery_nats_leader.testing.candidate``)
+Every candidate is a child process (``tests.harness.candidate``)
 with its own connection; times are the children's ``time.monotonic()``.
 """
 
@@ -15,7 +15,7 @@ import pytest
 from nats.aio.client import Client
 
 from celery_nats_leader.term.record import decode_record
-from celery_nats_leader.testing import CandidateGroup
+from tests.harness.candidate_control import CandidateGroup
 from tests.integration.helpers import (
     HEARTBEAT,
     ROLE,

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from celery_nats_leader.testing import CandidateGroup, NatsServer
+from celery_nats_leader.testing import NatsServer
+from tests.harness.candidate_control import CandidateGroup
 from tests.integration.helpers import ROLE
 
 pytestmark = pytest.mark.integration

@@ -16,9 +16,11 @@ import nats
 import pytest
 
 from celery_nats_leader import ElectionConfig, Elector
-from celery_nats_leader.nats import ConnectOptions, open_backend
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.nats import open_backend
 from celery_nats_leader.ops.bucket import ELECTION, BucketTarget, migrate_bucket
-from celery_nats_leader.testing import CandidateGroup, NatsCluster
+from celery_nats_leader.testing import NatsCluster
+from tests.harness.candidate_control import CandidateGroup
 from tests.integration.helpers import (
     BUCKET,
     RECONNECT_WAIT,
@@ -168,7 +170,7 @@ async def test_a_required_start_waits_out_a_cluster_without_quorum(
     waiting = _Announced("starting the leader election failed")
     # Listen where the retry logs, whatever earlier tests did to logging
     # (an in-process Celery app may disable or quieten existing loggers).
-    retry_logger = logging.getLogger("celery_nats_leader.backoff")
+    retry_logger = logging.getLogger("celery_nats_leader.core.backoff")
     saved = (retry_logger.disabled, retry_logger.level)
     retry_logger.disabled = False
     retry_logger.setLevel(logging.WARNING)

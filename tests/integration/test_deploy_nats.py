@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from celery_nats_leader import ElectionConfig, Elector
-from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.nats.connection import connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.testing import NatsServer
 from celery_nats_leader.testing.cluster import with_store_dir

@@ -99,7 +99,7 @@ def test_without_require_connection_roles_start_once_a_server_appears() -> None:
     elector = Elector(f"nats://127.0.0.1:{port}", name="patient")
     handle = elector.add_role(config("alpha", "patient", create_bucket=True))
     retries = Retries(2)
-    logger = logging.getLogger("celery_nats_leader.elector")
+    logger = logging.getLogger("celery_nats_leader.election.elector")
     logger.addHandler(retries)
     level = logger.level
     logger.setLevel(logging.DEBUG)
@@ -141,14 +141,14 @@ def test_without_require_connection_roles_start_once_a_server_appears() -> None:
 def test_permanent_start_error_is_repeated_and_retried(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from celery_nats_leader import elector as elector_module
-    from celery_nats_leader.errors import BucketNotFoundError
+    from celery_nats_leader.core.errors import BucketNotFoundError
+    from celery_nats_leader.election import elector as elector_module
 
     # Shortened for the test: 30 s each in production.
     monkeypatch.setattr(elector_module, "_PERMANENT_RETRY", 0.2)
     monkeypatch.setattr(elector_module, "_REPEAT_INTERVAL", 0.5)
     retries = Retries(1)
-    logger = logging.getLogger("celery_nats_leader.elector")
+    logger = logging.getLogger("celery_nats_leader.election.elector")
     logger.addHandler(retries)
     level = logger.level
     logger.setLevel(logging.DEBUG)

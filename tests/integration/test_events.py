@@ -14,8 +14,8 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from celery_nats_leader.errors import JetStreamUnavailableError
-from celery_nats_leader.events import TransitionEvent, events_stream
+from celery_nats_leader.core.errors import JetStreamUnavailableError
+from celery_nats_leader.election.events import TransitionEvent, events_stream
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.ops.events import (
     ensure_events_stream,
@@ -24,7 +24,8 @@ from celery_nats_leader.ops.events import (
     stream_info,
 )
 from celery_nats_leader.ops.fence_leader import fence_leader
-from celery_nats_leader.testing import CandidateGroup, NatsServer
+from celery_nats_leader.testing import NatsServer
+from tests.harness.candidate_control import CandidateGroup
 from tests.integration.helpers import BUCKET, ROLE, SLACK, TTL, in_thread
 
 pytestmark = pytest.mark.integration

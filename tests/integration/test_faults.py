@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from celery_nats_leader.testing import CandidateEvent, CandidateGroup, NatsServer
+from celery_nats_leader.testing import NatsServer
 from celery_nats_leader.testing.fault_proxy import ThreadedFaultProxy
+from tests.harness.candidate_control import CandidateEvent, CandidateGroup
 from tests.integration.helpers import (
     GRACE,
     HEARTBEAT,

@@ -25,14 +25,15 @@ from nats.js.api import KeyValueConfig
 from celery_nats_leader import DemoteReason, ElectionConfig, Elector
 from celery_nats_leader.beat.dispatch_fence import DispatchFence
 from celery_nats_leader.beat.schedule_store import EntryState, encode_state, state_key
-from celery_nats_leader.config.constants import RESIGN_VERB
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.core.constants import RESIGN_VERB
+from celery_nats_leader.core.errors import NotLeaderError
 from celery_nats_leader.election.base import control_subject
-from celery_nats_leader.errors import NotLeaderError
-from celery_nats_leader.nats.connection import ConnectOptions
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.ops.fence_leader import DEFAULT_HANDOVER_WAIT, fence_leader
 from celery_nats_leader.term.record import decode_record, encode_record
-from celery_nats_leader.testing import CandidateGroup, NatsServer
+from celery_nats_leader.testing import NatsServer
+from tests.harness.candidate_control import CandidateGroup
 from tests.integration.helpers import ROLE, SLACK, KeyHistory, create_bucket, in_thread
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ import functools
 import pytest
 from nats.aio.client import Client
 
-from celery_nats_leader.testing import CandidateGroup
+from tests.harness.candidate_control import CandidateGroup
 from tests.integration.helpers import SLACK, TTL, LocalElections, poll
 from tests.integration.test_herd import CANDIDATES, CONNECTIONS, WriteCounter, everyone_follows
 

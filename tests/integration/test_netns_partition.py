@@ -19,8 +19,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_nats_leader.testing import CandidateGroup, NatsServer
+from celery_nats_leader.testing import NatsServer
 from tests.chaos.netns import NetnsHost, cleanup_leftovers
+from tests.harness.candidate_control import CandidateGroup
 from tests.integration.helpers import (
     LEASE,
     SLACK,

@@ -12,14 +12,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from celery_nats_leader.backend import Backend
-from celery_nats_leader.errors import (
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.core.backend import Backend
+from celery_nats_leader.core.errors import (
     BucketNotFoundError,
     ConfigError,
     EpochFloorRaceError,
     JetStreamUnavailableError,
 )
-from celery_nats_leader.nats import ConnectOptions, open_backend
+from celery_nats_leader.nats import open_backend
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.ops.bucket import (
     ELECTION,

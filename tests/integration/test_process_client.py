@@ -15,9 +15,9 @@ import warnings
 import pytest
 
 from celery_nats_leader import ElectionConfig, Elector
-from celery_nats_leader.errors import BackendTimeoutError
-from celery_nats_leader.nats import ConnectOptions
-from celery_nats_leader.process_client import ProcessClient
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.core.errors import BackendTimeoutError
+from celery_nats_leader.nats.process_client import ProcessClient
 from celery_nats_leader.term import TermReader
 from celery_nats_leader.testing import NatsServer
 from tests.support.connections import connections_by_process
@@ -120,8 +120,8 @@ def test_closed_at_exit(nats_server: NatsServer) -> None:
 import atexit, threading
 atexit.register(lambda: print("left:", [t.name for t in threading.enumerate()
                                         if t.name == "nats-leader-client"]))
-from celery_nats_leader.errors import BackendTimeoutError
-from celery_nats_leader.nats import ConnectOptions
+from celery_nats_leader.core.errors import BackendTimeoutError
+from celery_nats_leader.config.connection import ConnectOptions
 from celery_nats_leader.term import TermReader
 term = TermReader(ConnectOptions(servers=({nats_server.url!r},)), {bucket!r}).read("r", timeout=5)
 print("epoch:", term.epoch)

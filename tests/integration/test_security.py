@@ -28,12 +28,13 @@ from typing import Any
 import pytest
 
 from celery_nats_leader import ElectionConfig, Elector
-from celery_nats_leader.errors import NatsUnavailableError, PermissionDeniedError
-from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.core.errors import NatsUnavailableError, PermissionDeniedError
+from celery_nats_leader.election.status import read_report
+from celery_nats_leader.nats.connection import connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.ops.events import ensure_events_stream, read_events
 from celery_nats_leader.ops.fence_leader import fence_leader
-from celery_nats_leader.ops.status import read_report
 from celery_nats_leader.testing import NatsServer
 
 pytestmark = pytest.mark.integration

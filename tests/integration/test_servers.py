@@ -19,7 +19,8 @@ from nats.js.api import KeyValueConfig
 from celery_nats_leader import ElectionConfig, ElectionState, KvElection
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.term.record import decode_record, encode_record
-from celery_nats_leader.testing import CandidateGroup, NatsServer, binary_version
+from celery_nats_leader.testing import NatsServer, binary_version
+from tests.harness.candidate_control import CandidateGroup
 from tests.integration.helpers import (
     BUCKET,
     LEASE,

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 from nats.js.kv import KeyValue
 
-from celery_nats_leader.nats.connection import ConnectOptions, connect
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.election.status import read_report
+from celery_nats_leader.nats.connection import connect
 from celery_nats_leader.nats.jetstream import JetStreamBackend, JetStreamBucket
-from celery_nats_leader.ops.status import read_report
 from celery_nats_leader.term.record import encode_record
 from celery_nats_leader.testing import NatsServer
 from tests.integration.helpers import BUCKET, TTL

@@ -8,8 +8,8 @@ import uuid
 import pytest
 
 from celery_nats_leader import ElectionConfig, Elector
-from celery_nats_leader.errors import ElectionError, NatsUnavailableError
-from celery_nats_leader.nats import ConnectOptions
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.core.errors import ElectionError, NatsUnavailableError
 from celery_nats_leader.term import TermReader
 from celery_nats_leader.term.token import FencingToken
 from celery_nats_leader.testing import NatsServer, free_port

@@ -15,9 +15,9 @@ import random
 import pytest
 
 from celery_nats_leader import ElectionConfig, KvElection
-from celery_nats_leader.backoff import Backoff
-from celery_nats_leader.clock import ManualClock
-from celery_nats_leader.config.constants import BACKOFF_MAX_SECONDS, CIRCUIT_BREAKER_THRESHOLD
+from celery_nats_leader.core.backoff import Backoff
+from celery_nats_leader.core.clock import ManualClock
+from celery_nats_leader.core.constants import BACKOFF_MAX_SECONDS, CIRCUIT_BREAKER_THRESHOLD
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryBucket, MemoryServer
 
 TTL = 0.6  # min(30 s, TTL) was the old cooldown: far below the 5-s backoff ceiling

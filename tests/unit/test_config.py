@@ -8,7 +8,7 @@ import pytest
 
 from celery_nats_leader import ConfigError, ElectionConfig, FencingToken
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.errors import RecordFormatError
+from celery_nats_leader.core.errors import RecordFormatError
 from celery_nats_leader.term.record import decode_record, encode_record
 
 

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from celery_nats_leader import DemoteReason, ElectionConfig, ElectionState, KvElection
-from celery_nats_leader.clock import ManualClock
-from celery_nats_leader.errors import BucketNotFoundError, ElectionStoppedError
+from celery_nats_leader.core.clock import ManualClock
+from celery_nats_leader.core.errors import BucketNotFoundError, ElectionStoppedError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.term.record import decode_record, encode_record
 from celery_nats_leader.term.token import FencingToken

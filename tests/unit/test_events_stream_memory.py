@@ -8,8 +8,8 @@ is tested in tests/integration/test_events.py).
 
 from __future__ import annotations
 
-from celery_nats_leader.clock import ManualClock
-from celery_nats_leader.events import EventKind, TransitionEvent, event_subject
+from celery_nats_leader.core.clock import ManualClock
+from celery_nats_leader.election.events import EventKind, TransitionEvent, event_subject
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.ops.events import ensure_events_stream, read_events, stream_info
 

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from celery_nats_leader import ElectionConfig, ElectionState, KvElection
-from celery_nats_leader.clock import ManualClock
-from celery_nats_leader.config import constants as c
+from celery_nats_leader.core import constants as c
+from celery_nats_leader.core.clock import ManualClock
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryBucket, MemoryServer
 from celery_nats_leader.term.record import decode_record, encode_record
 from celery_nats_leader.term.token import FencingToken

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from celery_nats_leader.clock import ManualClock
+from celery_nats_leader.core.clock import ManualClock
 from celery_nats_leader.election.follower_view import FollowerView
 
 TTL = 1.0

@@ -6,7 +6,7 @@ import pytest
 
 from celery_nats_leader.config import resolve_health_check
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.errors import ConfigError
+from celery_nats_leader.core.errors import ConfigError
 
 #: Module-level checks for the dotted paths below.
 CALLS: list[str] = []

@@ -3,14 +3,16 @@
 * ``celery_nats_leader.nats`` is the only code that imports nats-py (the
   test helpers under ``testing/`` too go through it);
 * the core (everything but the Celery wiring ``worker/``, ``beat/``,
-  the ``celery nats-leader`` command ``ops/cli.py`` (and its old path
-  ``cli.py``) and the test helpers ``testing/``) imports neither Celery,
+  the ``celery nats-leader`` command ``ops/cli.py`` and the test helpers
+  ``testing/``) imports neither Celery,
   kombu nor Django, and imports in a fresh interpreter where those cannot
   be imported at all;
 * only ``celery_nats_leader.nats`` speaks the JetStream API (``$JS.API``
   subjects, its numeric error codes);
 * the package has no import circle, at import time or through deferred
-  imports;
+  imports, and every import points down a floor (:data:`FLOORS`);
+* the package root holds ``__init__.py`` and folders only, and no module
+  is a re-export of another (an old import path kept alive);
 * the installed package ships test helpers for users, not this project's
   chaos harness: nothing in it imports the Django app, the test suite or a
   database or Redis client, and the pytest plugin loads without Celery and
@@ -35,10 +37,8 @@ PACKAGE = Path(celery_nats_leader.__file__).resolve().parent
 DJANGO_APP = Path(django_nats_leader.__file__).resolve().parent
 
 #: Subpackages and modules that are not the core (they wire Celery, or help tests);
-#: celery_compat.py is the Celery layer's one module of version differences, and
-#: ops/cli.py the Celery command (click, the app's configuration), re-exported
-#: at its old path cli.py.
-NOT_CORE = ("worker", "beat", "testing", "ops/cli.py", "cli.py", "celery_compat.py")
+#: ops/cli.py is the Celery command (click, the app's configuration).
+NOT_CORE = ("worker", "beat", "testing", "ops/cli.py")
 
 #: Where nats-py may be imported.
 NATS_ALLOWED = ("nats",)
@@ -326,7 +326,7 @@ def test_the_circle_finder_sees_imports_and_circles() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
     assert circles(graph) == [["a", "b", "c"], ["d", "e"]]
     events = PACKAGE / "ops" / "events.py"
-    assert {"celery_nats_leader.backend", "celery_nats_leader.events"} <= set(
+    assert {"celery_nats_leader.core.backend", "celery_nats_leader.election.events"} <= set(
         imports_of(events, deferred=False)
     )
     # base.py builds leader services in its methods (a deferred import).
@@ -352,3 +352,99 @@ def test_leader_services_depend_on_the_vocabulary_not_the_election_class() -> No
     assert "celery_nats_leader.election.base" not in imported
     # Nothing of the election's own private state is read from outside it.
     assert not re.search(r"election\._[a-z]", services.read_text())
+
+
+#: The package's floors, bottom first: a folder imports only from its own
+#: floor's folders and the floors below. ``__init__`` is the package root's
+#: facade; ``testing`` (the pytest plugin and helpers for users' tests) stands
+#: on all of it.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("core",),  # the election's own types and runtime: errors, backend, clocks, loop thread
+    ("config",),  # settings and their validation
+    ("nats",),  # the one door to NATS, and the per-process client
+    ("term", "recipes"),  # the record and the fencing token; the once-guard
+    ("election",),  # the state machines, their events, the elector, the status read model
+    ("observe",),  # probes and metrics
+    ("worker",),  # the Celery worker wiring (and Celery's version differences)
+    ("beat",),  # the leader scheduler
+    ("ops",),  # the operator layer and the celery command
+    ("__init__",),
+    ("testing",),
+)
+
+
+def floor_of(module: str) -> int:
+    """The floor of a module of the package, by its folder (``__init__`` for the root)."""
+    parts = module.split(".")
+    folder = parts[1] if len(parts) > 1 else "__init__"
+    for number, folders in enumerate(FLOORS):
+        if folder in folders:
+            return number
+    raise AssertionError(f"{module}: folder {folder!r} is on no floor of FLOORS")
+
+
+def back_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """The imports of ``graph`` that run from a lower floor to a higher one."""
+    return sorted(
+        f"{source} -> {target}"
+        for source, targets in graph.items()
+        for target in targets
+        if floor_of(target) > floor_of(source)
+    )
+
+
+def test_the_floor_check_sees_a_back_arrow() -> None:
+    graph = {
+        "celery_nats_leader.core.errors": set(),
+        "celery_nats_leader.election.kv": {"celery_nats_leader.core.errors"},
+        "celery_nats_leader.core.events": {"celery_nats_leader.election.vocabulary"},
+    }
+    assert back_arrows(graph) == [
+        "celery_nats_leader.core.events -> celery_nats_leader.election.vocabulary"
+    ]
+
+
+def test_every_import_points_down_a_floor() -> None:
+    # Deferred imports too: a function-level import up a floor is the same
+    # dependency, only hidden.
+    graph = {module_name(p): set(imports_of(p, deferred=True)) for p in package_files()}
+    assert back_arrows(graph) == []
+
+
+def test_the_package_root_holds_its_init_and_folders_only() -> None:
+    loose = sorted(p.name for p in PACKAGE.iterdir() if p.is_file())
+    assert loose == ["__init__.py", "py.typed"]
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == {f for floor in FLOORS for f in floor} - {"__init__"}
+
+
+def only_re_exports(source: str) -> bool:
+    """Whether a module's body is nothing but a docstring, imports and ``__all__``."""
+    body = ast.parse(source).body
+    return bool(body) and all(
+        isinstance(node, (ast.Import, ast.ImportFrom))
+        or (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+        or (
+            isinstance(node, ast.Assign)
+            and [ast.unparse(target) for target in node.targets] == ["__all__"]
+        )
+        for node in body
+    )
+
+
+def test_the_shim_check_sees_a_shim() -> None:
+    shim = '"""Moved."""\nfrom a.b import C\n__all__ = ["C"]\n'
+    assert only_re_exports(shim)
+    assert not only_re_exports(shim + "D = 1\n")
+
+
+def test_no_module_is_only_a_re_export() -> None:
+    # Before the first release there are no old import paths to keep alive:
+    # a module that only re-exports another's names is a second name for it.
+    # A package's __init__.py may gather its folder's public names.
+    shims = [
+        p.relative_to(PACKAGE.parent).as_posix()
+        for p in [*package_files(), *sorted(DJANGO_APP.rglob("*.py"))]
+        if p.name != "__init__.py" and only_re_exports(p.read_text())
+    ]
+    assert shims == []

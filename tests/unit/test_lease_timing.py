@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from celery_nats_leader import DemoteReason, ElectionConfig, KvElection
-from celery_nats_leader.clock import ManualClock
-from celery_nats_leader.errors import BackendTimeoutError
+from celery_nats_leader.core.clock import ManualClock
+from celery_nats_leader.core.errors import BackendTimeoutError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryBucket, MemoryServer
 from celery_nats_leader.term.record import encode_record
 from celery_nats_leader.term.token import FencingToken

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from celery_nats_leader.clock import ManualClock
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.errors import BackendTimeoutError, ConfigError
+from celery_nats_leader.core.clock import ManualClock
+from celery_nats_leader.core.errors import BackendTimeoutError, ConfigError
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryBucket, MemoryServer
 from celery_nats_leader.recipes.once_guard import (
     ClaimLostError,

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from celery_nats_leader.errors import NatsUnavailableError
+from celery_nats_leader.core.errors import NatsUnavailableError
 from celery_nats_leader.ops.oneshot import run_sync
 
 

@@ -78,7 +78,7 @@ def test_a_leader_stopped_by_a_permanent_error_counts_one_error(
     # The election demotes its leader (reason "error") and then reports the
     # error: one failure of kind "error", not one per callback.
     from celery_nats_leader import ElectionConfig, Elector
-    from celery_nats_leader.errors import PermissionDeniedError
+    from celery_nats_leader.core.errors import PermissionDeniedError
     from celery_nats_leader.nats.memory import MemoryBackend, MemoryBucket, MemoryServer
 
     server = MemoryServer()

@@ -8,10 +8,7 @@ checker must still see their real signatures, not ``Any``. These tests run
 
 from __future__ import annotations
 
-import ast
-import importlib
 import os
-import pickle
 import re
 import subprocess
 import sys
@@ -19,7 +16,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from kombu.utils.imports import symbol_by_name
 from mypy import api
 
 import celery_nats_leader
@@ -131,93 +127,12 @@ def test_a_misspelt_name_is_an_attribute_error() -> None:
         _ = celery_nats_leader.leader_onyl  # type: ignore[attr-defined]
 
 
-#: Names that moved: ``old module:name`` -> ``new module:name``.
-MOVED = [
-    "celery_nats_leader.once:OnceGuard -> celery_nats_leader.recipes.once_guard:OnceGuard",
-    "celery_nats_leader.once:once_key -> celery_nats_leader.recipes.once_guard:once_key",
-    "celery_nats_leader.worker.once:run_once -> celery_nats_leader.worker.once_tasks:run_once",
-    "celery_nats_leader.worker.once:OnceTask -> celery_nats_leader.worker.once_tasks:OnceTask",
-    "celery_nats_leader.probes:ProbeServer -> celery_nats_leader.observe.probes:ProbeServer",
-    "celery_nats_leader.prometheus:PrometheusObserver"
-    " -> celery_nats_leader.observe.prometheus:PrometheusObserver",
-    "celery_nats_leader.ops.oneshot:run_once -> celery_nats_leader.ops.oneshot:run_sync",
-    "celery_nats_leader.cli:nats_leader -> celery_nats_leader.ops.cli:nats_leader",
-    "celery_nats_leader.settings:LeaderSettings"
-    " -> celery_nats_leader.config.settings:LeaderSettings",
-    "celery_nats_leader.constants:DEFAULT_TTL_SECONDS"
-    " -> celery_nats_leader.config.constants:DEFAULT_TTL_SECONDS",
-    "celery_nats_leader.config:ElectionConfig -> celery_nats_leader.config.election:ElectionConfig",
-    "celery_nats_leader.token:FencingToken -> celery_nats_leader.term.token:FencingToken",
-    "celery_nats_leader.record:LeaderRecord -> celery_nats_leader.term.record:LeaderRecord",
-    "celery_nats_leader.term:TermReader -> celery_nats_leader.term.current:TermReader",
-    "celery_nats_leader.election.base:DemoteReason"
-    " -> celery_nats_leader.election.vocabulary:DemoteReason",
-    "celery_nats_leader.events:event_subject"
-    " -> celery_nats_leader.election.vocabulary:event_subject",
-    "celery_nats_leader:Election -> celery_nats_leader.election.kv:KvElection",
-    "celery_nats_leader.election:Election -> celery_nats_leader.election.kv:KvElection",
-    "celery_nats_leader.election.kv:Election -> celery_nats_leader.election.kv:KvElection",
-]
+def test_the_election_class_has_one_name_at_each_import_path() -> None:
+    # ``Election`` is the documented name of the KV state machine; one class.
+    from celery_nats_leader.election import Election
+    from celery_nats_leader.election.kv import KvElection
 
-#: Modules that moved: ``old path -> new path``; the old one re-exports
-#: every public name of the new one.
-MOVED_MODULES = [
-    "celery_nats_leader.worker.service -> celery_nats_leader.worker.election",
-    "celery_nats_leader.worker.state -> celery_nats_leader.worker.shared_leadership",
-    "celery_nats_leader.election.services -> celery_nats_leader.election.leader_services",
-    "celery_nats_leader.beat.fence -> celery_nats_leader.beat.dispatch_fence",
-    "celery_nats_leader.beat.state -> celery_nats_leader.beat.schedule_store",
-    "celery_nats_leader.ops.fence -> celery_nats_leader.ops.fence_leader",
-]
-
-
-def _resolve(path: str) -> object:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-@pytest.mark.parametrize("moved", MOVED)
-def test_a_moved_name_keeps_its_old_import_path(moved: str) -> None:
-    # Documented import paths of modules that moved keep working (re-exports).
-    old, _, new = moved.partition(" -> ")
-    assert _resolve(old) is _resolve(new)
-
-
-def _defined_public_names(module: object) -> set[str]:
-    """The public names a module defines itself (not those it imports)."""
-    source = Path(str(getattr(module, "__file__", ""))).read_text()
-    names: set[str] = set()
-    for node in ast.parse(source).body:
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign):
-            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names.add(node.target.id)
-    # A TypeVar and the logger are the module's own business.
-    return {n for n in names if not n.startswith("_") and n not in {"T", "logger"}}
-
-
-@pytest.mark.parametrize("moved", MOVED_MODULES)
-def test_a_moved_module_keeps_its_old_import_path(moved: str) -> None:
-    # Users' imports, Celery's ``base="module:Class"`` strings and pickles
-    # that name the old module all resolve to the same objects.
-    old_name, _, new_name = moved.partition(" -> ")
-    old, new = importlib.import_module(old_name), importlib.import_module(new_name)
-    # Nothing but a re-export: its docstring, imports from the new module, __all__.
-    body = ast.parse(Path(str(old.__file__)).read_text()).body
-    imported = {n.module for n in body if isinstance(n, ast.ImportFrom)}
-    assert imported == {"__future__", new_name}
-    assert [type(n) for n in body] == [ast.Expr, ast.ImportFrom, ast.ImportFrom, ast.Assign]
-    assert old.__doc__ is not None
-    assert old.__doc__.startswith(f"Moved to :mod:`{new_name}`; this path keeps working.")
-    assert sorted(old.__all__) == sorted(_defined_public_names(new))
-    for name in old.__all__:
-        assert getattr(old, name) is getattr(new, name), name
-        assert symbol_by_name(f"{old_name}:{name}") is getattr(new, name), name
-        if isinstance(getattr(new, name), type):
-            reference = f"c{old_name}\n{name}\n.".encode()
-            assert pickle.loads(reference) is getattr(new, name), name
+    assert celery_nats_leader.Election is Election is KvElection
 
 
 def test_every_lazy_name_is_exported_where_celery_is_installed() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from celery_nats_leader.clock import ManualClock
+from celery_nats_leader.core.clock import ManualClock
 from celery_nats_leader.election.roster import Roster
 
 

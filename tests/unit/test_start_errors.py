@@ -9,9 +9,8 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from celery_nats_leader.backoff import retry_transient
-from celery_nats_leader.elector import Elector
-from celery_nats_leader.errors import (
+from celery_nats_leader.core.backoff import retry_transient
+from celery_nats_leader.core.errors import (
     BackendError,
     BackendTimeoutError,
     BucketConfigError,
@@ -24,6 +23,7 @@ from celery_nats_leader.errors import (
     PermissionDeniedError,
     is_transient,
 )
+from celery_nats_leader.election.elector import Elector
 from celery_nats_leader.nats.jetstream import (
     _bucket_api_error,
     _connection_error,
@@ -163,7 +163,8 @@ async def test_a_server_that_never_says_hello_costs_no_socket() -> None:
     import os
     import time
 
-    from celery_nats_leader.nats.connection import ConnectOptions, connect
+    from celery_nats_leader.config.connection import ConnectOptions
+    from celery_nats_leader.nats.connection import connect
 
     accepted: list[asyncio.StreamWriter] = []
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from celery_nats_leader.backend import KVEntry, Operation
+from celery_nats_leader.core.backend import KVEntry, Operation
 from celery_nats_leader.term import Term, term_of
 from celery_nats_leader.term.record import encode_record
 from celery_nats_leader.term.token import FencingToken

@@ -21,7 +21,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.config import validate_bucket
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.errors import ConfigError, ElectionError
+from celery_nats_leader.core.errors import ConfigError, ElectionError
 from celery_nats_leader.ops.bucket import (
     BucketAction,
     BucketOutcome,

@@ -18,9 +18,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from celery_nats_leader.backend import Backend
-from celery_nats_leader.errors import ElectionError
-from celery_nats_leader.events import TransitionEvent
+from celery_nats_leader.core.backend import Backend
+from celery_nats_leader.core.errors import ElectionError
+from celery_nats_leader.election.events import TransitionEvent
 from celery_nats_leader.ops.events import show_events
 from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from django_nats_leader.management.common import EXIT_ERROR, load_settings

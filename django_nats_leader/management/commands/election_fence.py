@@ -34,7 +34,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.errors import ElectionError
+from celery_nats_leader.core.errors import ElectionError
 from celery_nats_leader.ops.fence_leader import (
     DEFAULT_HANDOVER_WAIT,
     FenceOutcome,

@@ -16,7 +16,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from celery_nats_leader.errors import (
+from celery_nats_leader.core.errors import (
     BackendTimeoutError,
     NotLeaderError,
 )

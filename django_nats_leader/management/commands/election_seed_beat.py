@@ -19,7 +19,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from celery_nats_leader.errors import ElectionError
+from celery_nats_leader.core.errors import ElectionError
 from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.ops.seed import (
     LastRun,

@@ -16,10 +16,11 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.errors import ElectionError
+from celery_nats_leader.core.errors import ElectionError
+from celery_nats_leader.election.status import StatusReport
 from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.ops.output import EXIT_ERROR, EXIT_NO_LEADER, status_text
-from celery_nats_leader.ops.status import StatusReport, fetch_report, watch_reports
+from celery_nats_leader.ops.status import fetch_report, watch_reports
 from django_nats_leader import conf
 from django_nats_leader.management.common import checked_role, load_settings
 

@@ -147,3 +147,26 @@ ALLCALL_MAX_CLOCK_SKEW_FRACTION_OF_TTL = 0.5
 
 #: Prefix of every Prometheus metric name (``nats_leader_metrics_namespace`` changes it).
 DEFAULT_METRICS_NAMESPACE = "nats_leader"
+
+# The message headers of beat's ticks: a contract between the leader scheduler
+# (beat/) that sets them and the workers (worker/) that read them.
+
+#: Message header: the epoch of the term that dispatched the task (an integer).
+EPOCH_HEADER = "nats_leader_epoch"
+#: Message header of messages sent by older versions: the whole fencing token
+#: (``"<epoch>:<value>"``). No longer sent; still read (its epoch only).
+TOKEN_HEADER = "nats_leader_token"
+#: Message header: ``True`` when workers with the bootstep run this tick once
+#: (the once-guard keyed by its per-tick task id); ``False`` for entries and
+#: schedulers that opted out.
+ONCE_HEADER = "nats_leader_once"
+#: Message header: the beat role whose leader dispatched the task.
+ROLE_HEADER = "nats_leader_role"
+#: Message header: the periodic entry's name.
+ENTRY_HEADER = "nats_leader_entry"
+#: Message header: the tick's slot (ISO 8601, UTC), its identity.
+TICK_HEADER = "nats_leader_tick"
+#: Message header: the entry's run number of this tick (1 for the first run).
+RUN_HEADER = "nats_leader_run"
+#: Message header: the instance id of the scheduler that dispatched it.
+DISPATCHER_HEADER = "nats_leader_dispatcher"

@@ -8,14 +8,14 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from celery_nats_leader.config.constants import (
+from celery_nats_leader.core.constants import (
     BACKOFF_INITIAL_SECONDS,
     BACKOFF_JITTER,
     BACKOFF_MAX_SECONDS,
     BACKOFF_MULTIPLIER,
     CIRCUIT_BREAKER_THRESHOLD,
 )
-from celery_nats_leader.errors import ElectionError, is_transient
+from celery_nats_leader.core.errors import ElectionError, is_transient
 
 T = TypeVar("T")
 
@@ -93,7 +93,7 @@ def retry_transient(call: Callable[[float], T], *, timeout: float, what: str) ->
     JetStream that answers "temporarily unavailable" (a cluster electing a
     stream leader, a store that was full) or a request that timed out is no
     reason to give up while time remains.
-    Permanent errors (see :func:`~celery_nats_leader.errors.is_transient`)
+    Permanent errors (see :func:`~celery_nats_leader.core.errors.is_transient`)
     are raised at once; a transient one is raised when the next attempt
     would start after ``timeout``.
 

@@ -58,9 +58,9 @@ class Subscription(Protocol):
 class Bucket(Protocol):
     """A KV bucket with compare-and-set writes.
 
-    Every write raises :class:`~celery_nats_leader.errors.NotConnectedError`
+    Every write raises :class:`~celery_nats_leader.core.errors.NotConnectedError`
     instead of buffering when the connection is down, and
-    :class:`~celery_nats_leader.errors.BackendTimeoutError` when its outcome
+    :class:`~celery_nats_leader.core.errors.BackendTimeoutError` when its outcome
     is unknown.
     """
 

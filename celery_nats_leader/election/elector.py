@@ -20,10 +20,19 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from celery_nats_leader.backend import Backend, Bucket
-from celery_nats_leader.backoff import Backoff, retry_transient
-from celery_nats_leader.clock import Clock
 from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.core.backend import Backend, Bucket
+from celery_nats_leader.core.backoff import Backoff, retry_transient
+from celery_nats_leader.core.clock import Clock
+from celery_nats_leader.core.errors import (
+    ConfigError,
+    ElectionError,
+    ElectionStoppedError,
+    NatsUnavailableError,
+    is_transient,
+)
+from celery_nats_leader.core.loop_thread import EventLoopThread
 from celery_nats_leader.election import (
     DemoteCallback,
     ElectionState,
@@ -34,16 +43,8 @@ from celery_nats_leader.election import (
 from celery_nats_leader.election.interface import LeaderElection, new_election
 from celery_nats_leader.election.leader_services import LeaderServiceRunner, ServiceFunction
 from celery_nats_leader.election.observer import ElectionObserver
-from celery_nats_leader.errors import (
-    ConfigError,
-    ElectionError,
-    ElectionStoppedError,
-    NatsUnavailableError,
-    is_transient,
-)
-from celery_nats_leader.loop_thread import EventLoopThread
-from celery_nats_leader.nats import ConnectionListener, ConnectOptions, open_backend
-from celery_nats_leader.ops.status import RoleStatus, read_report
+from celery_nats_leader.election.status import RoleStatus, read_report
+from celery_nats_leader.nats import ConnectionListener, open_backend
 from celery_nats_leader.term.record import LeaderRecord
 from celery_nats_leader.term.token import FencingToken
 
@@ -557,7 +558,7 @@ class Elector(ConnectionListener):
             timeout: Seconds to wait.
 
         Returns:
-            One :class:`~celery_nats_leader.ops.status.RoleStatus` per role.
+            One :class:`~celery_nats_leader.election.status.RoleStatus` per role.
 
         """
         if self._backend is None:

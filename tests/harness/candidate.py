@@ -2,7 +2,7 @@
 
 Tests, benchmarks and demos need candidates that can crash (SIGKILL), freeze
 (SIGSTOP) and stop gracefully (SIGTERM) like real processes.
-``python -m celery_nats_leader.testing.candidate --url URL --role R --ttl T
+``python -m tests.harness.candidate --url URL --role R --ttl T
 --id NAME [...]`` runs one :class:`~celery_nats_leader.KvElection` and prints one
 JSON line per event on stdout, e.g.
 ``{"event": "promoted", "id": "c1", "at": 1234.5, "pid": 42, "epoch": 7}``.
@@ -29,7 +29,7 @@ stopped      ``stop()`` returned (after SIGTERM, SIGINT, ``stop`` or EOF)
 Commands, one per line on stdin: ``validate``, ``status``, ``resign``, ``stop``.
 
 The parent side (spawning, events, signals) is
-:mod:`celery_nats_leader.testing.candidate_control`.
+:mod:`tests.harness.candidate_control`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from celery_nats_leader import DemoteReason, ElectionConfig, ElectionError, KvElection
-from celery_nats_leader.nats import ConnectionListener, ConnectOptions, open_backend
+from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.nats import ConnectionListener, open_backend
 from celery_nats_leader.term.record import LeaderRecord
 from celery_nats_leader.term.token import FencingToken
 
@@ -95,7 +96,7 @@ class _RenewalPrinter:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m celery_nats_leader.testing.candidate",
+        prog="python -m tests.harness.candidate",
         description="Run one leader-election candidate; print its events as JSON lines.",
     )
     parser.add_argument(

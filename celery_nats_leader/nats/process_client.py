@@ -13,7 +13,7 @@ Fork-safe: a thread does not survive ``fork()``, so a child never uses its
 parent's client; the first use in the child builds the child's own (the
 registry is emptied in the child at fork, and keyed by pid besides).
 
-A worker's main process runs an :class:`~celery_nats_leader.elector.Elector`
+A worker's main process runs an :class:`~celery_nats_leader.election.elector.Elector`
 too, with a connection of its own, and keeps the two apart on purpose: a warm
 shutdown closes the election's connection first (a successor takes over in
 milliseconds) while the tasks still running must renew and record their
@@ -33,15 +33,15 @@ import threading
 from collections.abc import Callable, Coroutine, Hashable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from celery_nats_leader.errors import BackendTimeoutError
-from celery_nats_leader.loop_thread import EventLoopThread
+from celery_nats_leader.core.errors import BackendTimeoutError
+from celery_nats_leader.core.loop_thread import EventLoopThread
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from celery_nats_leader.backend import Backend, Bucket, KVEntry
+    from celery_nats_leader.config.connection import ConnectOptions
     from celery_nats_leader.config.settings import LeaderSettings
-    from celery_nats_leader.nats.connection import ConnectOptions
+    from celery_nats_leader.core.backend import Backend, Bucket, KVEntry
 
 __all__ = ["ProcessClient", "connection_key"]
 

@@ -5,7 +5,7 @@ child into one queue, and offers :meth:`~CandidateGroup.wait_for`, commands,
 and the signals (:meth:`CandidateProcess.kill`,
 :meth:`~CandidateProcess.pause`, :meth:`~CandidateProcess.resume`,
 :meth:`~CandidateProcess.terminate`). The events are those listed in
-:mod:`celery_nats_leader.testing.candidate`.
+:mod:`tests.harness.candidate`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -36,7 +37,10 @@ __all__ = [
 ]
 
 #: The child program (``python -m ...``).
-MODULE = "celery_nats_leader.testing.candidate"
+MODULE = "tests.harness.candidate"
+
+#: The repository root: the child imports its program from ``tests/``.
+ROOT = Path(__file__).resolve().parents[2]
 
 #: Pseudo-event the parent adds when a child's stdout closes (it exited).
 EXITED = "exited"
@@ -97,13 +101,18 @@ class CandidateProcess:
         self.name = name
         self.argv = list(argv)
         self._sink = sink
+        child_env = dict(os.environ if env is None else env)
+        # The harness is not installed: the child finds ``tests`` from the root.
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(ROOT), child_env.get("PYTHONPATH")])
+        )
         self._proc = subprocess.Popen(
             self.argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             bufsize=1,
-            env=None if env is None else dict(env),
+            env=child_env,
         )
         self._stdin_lock = threading.Lock()
         self._reader = threading.Thread(
