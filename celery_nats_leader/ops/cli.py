@@ -57,7 +57,12 @@ from celery_nats_leader.ops.bucket import (
 )
 from celery_nats_leader.ops.bucket import outcome_lines as bucket_lines
 from celery_nats_leader.ops.events import StreamInfo, show_events
-from celery_nats_leader.ops.fence_leader import DEFAULT_HANDOVER_WAIT, fence_lines, request_fence
+from celery_nats_leader.ops.fence_leader import (
+    DEFAULT_HANDOVER_WAIT,
+    fence_lines,
+    fence_wait,
+    request_fence,
+)
 from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.ops.output import (
     EXIT_ERROR,
@@ -73,6 +78,7 @@ from celery_nats_leader.ops.resign import (
     release_host,
     release_lines,
     request_resignation,
+    resign_wait,
 )
 from celery_nats_leader.ops.status import fetch_report
 
@@ -195,8 +201,7 @@ def resign(
     """
     settings = _settings(ctx)
     _check_role(ctx, role)
-    if wait is None:
-        wait = settings.election_config(role).ttl + 1.0
+    wait = resign_wait(settings, role, wait)
     try:
         outcome = request_resignation(
             settings,
@@ -494,8 +499,7 @@ def fence(
     """
     settings = _settings(ctx)
     _check_role(ctx, role)
-    if wait is None:
-        wait = settings.election_config(role).ttl
+    wait = fence_wait(settings, role, wait)
     try:
         outcome = request_fence(
             settings,

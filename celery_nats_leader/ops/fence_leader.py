@@ -440,6 +440,15 @@ async def await_successor(
         await watch.unsubscribe()
 
 
+def fence_wait(settings: LeaderSettings, role: str, wait: float | None) -> float:
+    """Seconds a fence command waits for a successor: ``wait``, else the role's TTL.
+
+    A fenced term's key is free at once; a live candidate takes it within a
+    heartbeat, and a follower that missed the change within the TTL.
+    """
+    return settings.election_config(role).ttl if wait is None else float(wait)
+
+
 def request_fence(
     settings: LeaderSettings,
     role: str,

@@ -140,6 +140,15 @@ async def resign_leader(
         await watch.unsubscribe()
 
 
+def resign_wait(settings: LeaderSettings, role: str, wait: float | None) -> float:
+    """Seconds a resign command waits for the new leader: ``wait``, else the role's TTL + 1.
+
+    A successor campaigns as soon as it sees the release, or (a successor that
+    missed it) once the key's TTL has passed: one TTL and a second covers both.
+    """
+    return settings.election_config(role).ttl + 1.0 if wait is None else float(wait)
+
+
 def request_resignation(
     settings: LeaderSettings, role: str, *, timeout: float, wait: float, requester: str
 ) -> ResignOutcome:

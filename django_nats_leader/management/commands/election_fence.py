@@ -39,6 +39,7 @@ from celery_nats_leader.ops.fence_leader import (
     DEFAULT_HANDOVER_WAIT,
     FenceOutcome,
     fence_lines,
+    fence_wait,
     request_fence,
     wait_for_successor,
 )
@@ -209,9 +210,7 @@ class Command(BaseCommand):
         """Fence the term and report the successor."""
         settings = load_settings()
         role = checked_role(options["role"])
-        wait = options["wait"]
-        if wait is None:
-            wait = settings.election_config(role).ttl
+        wait = fence_wait(settings, role, options["wait"])
         if options["handover_wait"] < 0:
             raise CommandError("--handover-wait must be 0 or more seconds")
         with election_errors(), strategy_changed():

@@ -26,6 +26,7 @@ from celery_nats_leader.ops.resign import (
     outcome_lines,
     outcome_to_dict,
     request_resignation,
+    resign_wait,
 )
 from django_nats_leader.management.common import (
     EXIT_NO_LEADER,
@@ -61,9 +62,7 @@ class Command(BaseCommand):
         """Send the request and report the hand-over."""
         settings = load_settings()
         role = checked_role(options["role"])
-        wait = options["wait"]
-        if wait is None:
-            wait = settings.election_config(role).ttl + 1.0
+        wait = resign_wait(settings, role, options["wait"])
         # A leader that does not answer counts as no leader (exit 1), like none at all.
         with election_errors((NotLeaderError, BackendTimeoutError)):
             outcome = request_resignation(
