@@ -41,6 +41,7 @@ from celery_nats_leader.core.errors import ElectionError, RecordFormatError
 from celery_nats_leader.nats.process_client import ProcessClient
 from celery_nats_leader.term import TermReader
 from celery_nats_leader.term.token import FencingToken
+from celery_nats_leader.worker.recheck import recheck_later
 from celery_nats_leader.worker.refused import NotRun
 
 if TYPE_CHECKING:
@@ -293,9 +294,11 @@ def enforce_dispatch_token(task: Any, *, retry_countdown: float = 1.0) -> Dispat
 
     * stale or malformed epoch: logged at WARNING, the task is ignored
       (:class:`celery.exceptions.Ignore`: acknowledged, not run, not retried);
-    * the term could not be read: the task is retried after
-      ``retry_countdown`` seconds (a new message with the same headers), so
-      nothing is lost while NATS is unreachable;
+    * the term could not be read: the message is sent again to be checked
+      after ``retry_countdown`` seconds (same id and headers), as often as it
+      takes and without spending the task's own retries
+      (:func:`~celery_nats_leader.worker.recheck.recheck_later`), so nothing
+      is lost while NATS is unreachable;
     * no epoch (not a beat dispatch) or a current one: it runs.
 
     Args:
@@ -322,7 +325,7 @@ def enforce_dispatch_token(task: Any, *, retry_countdown: float = 1.0) -> Dispat
             verdict.reason,
             retry_countdown,
         )
-        raise task.retry(countdown=retry_countdown, max_retries=None)
+        raise recheck_later(task, retry_countdown)
     logger.warning(
         "%s[%s]: not run: %s (entry %r, tick %s)",
         task.name,

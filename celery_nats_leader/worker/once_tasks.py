@@ -71,6 +71,7 @@ from celery_nats_leader.core.errors import (
 from celery_nats_leader.nats.process_client import ProcessClient
 from celery_nats_leader.recipes.once_guard import Claim, ClaimLostError, OnceGuard, Verdict
 from celery_nats_leader.worker.celery_compat import replaced_task_nesting
+from celery_nats_leader.worker.recheck import recheck_later
 from celery_nats_leader.worker.refused import NotRun
 
 __all__ = ["OnceService", "OnceTask", "run_once", "run_task_once"]
@@ -244,7 +245,7 @@ def run_task_once(task: Any, call: Callable[[], T]) -> T:
             exc,
             retry_in,
         )
-        raise task.retry(countdown=retry_in, max_retries=_one_more(task)) from exc
+        raise recheck_later(task, retry_in, exc=exc) from exc
     if claim.verdict is Verdict.DONE:
         by = (claim.holder or {}).get("by", "?")
         task_logger.info(
@@ -256,7 +257,7 @@ def run_task_once(task: Any, call: Callable[[], T]) -> T:
         task_logger.info(
             "%s[%s]: running on %s; checking again in %gs", task.name, task_id, by, retry_in
         )
-        raise task.retry(countdown=retry_in, max_retries=_one_more(task))
+        raise recheck_later(task, retry_in)
     # The renewal stops before the outcome is written (it must not move the
     # lease's revision under the final delete).
     setattr(task.request, _CLAIMED, True)
@@ -267,7 +268,7 @@ def run_task_once(task: Any, call: Callable[[], T]) -> T:
         # The process's client was closed under us (at exit): the body did
         # not run; another copy or the retry may run it.
         _settle(service, lambda guard: guard.release(claim))
-        raise task.retry(countdown=retry_in, max_retries=_one_more(task)) from exc
+        raise recheck_later(task, retry_in, exc=exc) from exc
     try:
         try:
             result = call()
@@ -354,15 +355,3 @@ def run_once(fun: F) -> F:
 
     setattr(wrapper, _MARK, fun)
     return wrapper  # type: ignore[return-value]
-
-
-def _one_more(task: Any) -> int:
-    """A retry limit that lets this retry through, whatever the task's own.
-
-    Celery reads ``retry(max_retries=None)`` as "the task's limit" (3 by
-    default), so a copy waiting for another run's lease gave up, and was
-    lost, before that lease could expire (nats-server 2.15 expires a key
-    ~250 ms after its max_age). Waiting for the guard is not a failure to
-    count: the wait ends when the other run finishes or its lease expires.
-    """
-    return int(task.request.retries or 0) + 1

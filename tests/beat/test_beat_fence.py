@@ -97,3 +97,60 @@ def test_stale_term_refused_current_and_unfenced_run(
     for row in refusals.values():
         if row[2] == ENTRIES[0]["name"]:
             assert row[4] is not None and int(row[4]) == first.epoch
+
+
+def test_a_fenced_message_waits_out_a_nats_outage_without_spending_retries(
+    cluster_factory: Callable[..., BeatCluster], nats_server: Any
+) -> None:
+    # While NATS is unreachable the fence cannot read the term: the message
+    # comes back every second, for as long as it takes. Celery's retry with
+    # max_retries=None stopped at the task's own limit (3): about three
+    # seconds into an outage the tick ended as FAILURE and never ran.
+    cluster = cluster_factory(entries=[])
+    worker = cluster.start_worker()
+    client = make_app(cluster.config)
+    task_id = str(uuid.uuid4())
+    rechecks = 6  # twice Celery's default max_retries
+    nats_server.stop()
+    try:
+        client.send_task(
+            "cnl_beat.fenced",
+            task_id=task_id,
+            queue=cluster.queue,
+            headers={
+                EPOCH_HEADER: 1,
+                ROLE_HEADER: "beat",
+                ENTRY_HEADER: "manual",
+                TICK_HEADER: "t",
+            },
+        )
+
+        def waits() -> list[str]:
+            return [
+                line
+                for line in worker.log_path.read_text(errors="replace").splitlines()
+                if task_id in line
+                and ("cannot check its beat epoch yet" in line or "MaxRetries" in line)
+            ]
+
+        wait_for(
+            lambda: len(waits()) >= rechecks or any("MaxRetries" in line for line in waits()),
+            60,
+            f"{rechecks} rechecks of the fenced message while NATS is down",
+            cluster.diagnostics,
+        )
+        assert not any("MaxRetries" in line for line in waits()), waits()
+    finally:
+        client.close()
+        nats_server.start()
+
+    wait_for(
+        lambda: any(r.task_id == task_id for r in cluster.ledger.runs("cnl_beat.fenced")),
+        60,
+        "the fenced message to run once NATS is back",
+        cluster.diagnostics,
+    )
+    log = worker.log_path.read_text(errors="replace")
+    assert "MaxRetriesExceededError" not in log
+    runs = [r for r in cluster.ledger.runs("cnl_beat.fenced") if r.task_id == task_id]
+    assert len(runs) == 1
