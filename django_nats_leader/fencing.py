@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 from django.db import router, transaction
 
-from celery_nats_leader.core.errors import LeadershipLostError
+from celery_nats_leader.core.errors import ConfigError, LeadershipLostError
 from celery_nats_leader.term.token import FencingToken, epoch_strategy
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class StaleLeaderError(LeadershipLostError):
         self.current_epoch = current_epoch
 
 
-class StrategyChangedError(StaleLeaderError):
+class StrategyChangedError(ConfigError):
     """Raised when a fenced write's epoch comes from another strategy than the role's fence.
 
     The role's fence was raised by terms of one strategy (say ALLCALL, whose
@@ -96,7 +96,17 @@ class StrategyChangedError(StaleLeaderError):
     other (KV, whose epochs are revisions): the two cannot be ordered. The
     message says what to run once the old strategy's processes are stopped.
 
+    A configuration problem, not a lost leadership: it is a
+    :class:`~celery_nats_leader.core.errors.ConfigError`, *not* a
+    :class:`StaleLeaderError`. Inside ``@leader_only`` the task fails once
+    with this message; as a lost leadership it was requeued to the same
+    leader, which can never pass the fence until an operator acts, and came
+    back at broker speed.
+
     Attributes:
+        role: The role.
+        epoch: The refused term's epoch.
+        current_epoch: The epoch the fence holds.
         fence_strategy: The strategy of the epoch in the database.
         token_strategy: The strategy of the refused token's epoch.
 
@@ -112,7 +122,10 @@ class StrategyChangedError(StaleLeaderError):
         fence_strategy: str,
         token_strategy: str,
     ):
-        super().__init__(message, role=role, epoch=epoch, current_epoch=current_epoch)
+        super().__init__(message)
+        self.role = role
+        self.epoch = epoch
+        self.current_epoch = current_epoch
         self.fence_strategy = fence_strategy
         self.token_strategy = token_strategy
 

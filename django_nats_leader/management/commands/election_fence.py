@@ -23,12 +23,10 @@ strategy (the message says what to run).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from argparse import ArgumentParser
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
@@ -45,8 +43,11 @@ from celery_nats_leader.ops.fence_leader import (
 )
 from celery_nats_leader.ops.oneshot import operator_name
 from celery_nats_leader.term.token import FencingToken
+
+if TYPE_CHECKING:
+    from django_nats_leader.fencing import StrategyChangedError
+
 from django_nats_leader.management.common import (
-    EXIT_ERROR,
     checked_role,
     election_errors,
     load_settings,
@@ -118,26 +119,34 @@ def fence_role_and_database(
     handover_wait: float = DEFAULT_HANDOVER_WAIT,
     database: bool = True,
     using: str | None = None,
-) -> tuple[FenceOutcome, int | None, DatabaseError | None]:
+) -> tuple[FenceOutcome, int | None, DatabaseError | StrategyChangedError | None]:
     """End the term, raise the database fence at once, then wait for the successor.
 
     Returns:
         The outcome (with the successor, if one came within ``wait`` and
         NATS could be asked: a failure while waiting is logged at WARNING,
         the term has ended all the same), the database fence's epoch
-        (``None`` when not raised) and the database error that prevented
-        raising it, if any.
+        (``None`` when not raised) and what prevented raising it, if
+        anything: a database error, or a fence that holds another
+        strategy's epoch (:class:`StrategyChangedError`, whose message says
+        what to run).
 
     """
     outcome = fence_role(
         settings, role, epoch=epoch, timeout=timeout, wait=0.0, handover_wait=handover_wait
     )
     database_epoch: int | None = None
-    problem: DatabaseError | None = None
+    from django_nats_leader.fencing import StrategyChangedError
+
+    problem: DatabaseError | StrategyChangedError | None = None
     if database:
+        # The term has ended whatever the database says: a failure to raise
+        # the fence is reported beside the outcome, never instead of it (a
+        # reported failure invites a retry, which would end the successor's
+        # term).
         try:
             database_epoch = raise_database_fence(outcome, using=using)
-        except DatabaseError as exc:
+        except (DatabaseError, StrategyChangedError) as exc:
             problem = exc
     if wait > 0:
         try:
@@ -150,17 +159,6 @@ def fence_role_and_database(
             # --epoch end the successor's term.
             logger.warning("the term of %r ended; could not wait for its successor: %s", role, exc)
     return outcome, database_epoch, problem
-
-
-@contextlib.contextmanager
-def strategy_changed() -> Iterator[None]:
-    """Exit 2 with its message on :class:`StrategyChangedError` (not "nobody leads")."""
-    from django_nats_leader.fencing import StrategyChangedError
-
-    try:
-        yield
-    except StrategyChangedError as exc:
-        raise CommandError(str(exc), returncode=EXIT_ERROR) from exc
 
 
 class Command(BaseCommand):
@@ -213,7 +211,7 @@ class Command(BaseCommand):
         wait = fence_wait(settings, role, options["wait"])
         if options["handover_wait"] < 0:
             raise CommandError("--handover-wait must be 0 or more seconds")
-        with election_errors(), strategy_changed():
+        with election_errors():
             outcome, database_epoch, problem = fence_role_and_database(
                 settings,
                 role,
