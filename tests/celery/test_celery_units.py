@@ -294,3 +294,22 @@ def test_leader_services_by_decorator_and_by_name(app: Celery) -> None:
         registered_services(app, ["proj.feeds:poll"], "alpha")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="not a valid role name"):
         leader_service(app, role="no spaces")
+
+
+@pytest.mark.parametrize("ttl", [1.0, 3.0, 5.0, 10.0, 60.0])
+def test_a_worker_stop_leaves_room_for_demote_callbacks_and_the_release(ttl: float) -> None:
+    # The stop used to be bounded by min(10, max(2, ttl)): under a TTL of 5 s
+    # or less that is no longer than demote_timeout (5 s), so a slow demote
+    # receiver got the release cancelled, the key was not deleted and the
+    # successor waited a whole TTL.
+    from celery_nats_leader.config.settings import LeaderSettings
+    from celery_nats_leader.worker.election import release_bound
+
+    settings = LeaderSettings(ttl=ttl, roles=("a", "b"), role_options={"b": {"demote_timeout": 7}})
+    longest = max(
+        settings.election_config(r).demote_timeout + settings.election_config(r).request_timeout
+        for r in ("a", "b")
+    )
+    assert release_bound(settings, ("a", "b")) == pytest.approx(longest + 1.0)
+    assert release_bound(settings, ("a", "b")) > 7.0
+    assert release_bound(settings, ("a",)) > settings.election_config("a").demote_timeout
