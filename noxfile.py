@@ -126,6 +126,9 @@ def tests(session: nox.Session, deps: str) -> None:
     for server in servers:
         for tier in tiers:
             log = LOGS / f"{session.python}-{deps}-{server}-{tier}.log"
+            # scripts/test collects every run's JUnit report for its summary.
+            junit = os.environ.get("CNL_TEST_LOGS")
+            report = [f"--junitxml={junit}/{deps}-{server}-{tier}.xml"] if junit else []
             started = time.monotonic()
             with log.open("w") as out:
                 code = subprocess.run(
@@ -136,6 +139,7 @@ def tests(session: nox.Session, deps: str) -> None:
                         "-q",
                         "-p",
                         "no:cacheprovider",
+                        *report,
                         *TIERS[tier],
                     ],
                     cwd=ROOT,
