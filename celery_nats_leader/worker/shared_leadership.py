@@ -118,7 +118,15 @@ class SharedLeadership:
         os.unlink(path)
         weakref.finalize(self, os.close, self._counter_fd)
         self._counter_thread_lock = threading.Lock()
+        _INSTANCES.add(self)
         self.clear_all()  # valid, checksummed "not leading" slots
+
+    def _renew_thread_lock_after_fork(self) -> None:
+        # Another thread of the parent (the elector's loop, counting every
+        # half heartbeat) may have held the lock at the fork: the child's copy
+        # stays locked forever, with no thread to release it, and the child's
+        # first count would hang. A child has just one thread: a fresh lock.
+        self._counter_thread_lock = threading.Lock()
 
     def index(self, role: str) -> int | None:
         """The slot of ``role``, or ``None`` if the role is not hosted here."""
@@ -405,3 +413,15 @@ def check_leadership(
             "no leader election runs in this process (is the nats-leader bootstep installed?)",
         )
     return state.check(role, validate=validate, timeout=timeout)
+
+
+#: Every live slot table, so that a forked child renews their thread locks.
+_INSTANCES: weakref.WeakSet[SharedLeadership] = weakref.WeakSet()
+
+
+def _renew_locks_in_child() -> None:
+    for shared in list(_INSTANCES):
+        shared._renew_thread_lock_after_fork()
+
+
+os.register_at_fork(after_in_child=_renew_locks_in_child)

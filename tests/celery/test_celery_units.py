@@ -313,3 +313,36 @@ def test_a_worker_stop_leaves_room_for_demote_callbacks_and_the_release(ttl: flo
     assert release_bound(settings, ("a", "b")) == pytest.approx(longest + 1.0)
     assert release_bound(settings, ("a", "b")) > 7.0
     assert release_bound(settings, ("a",)) > settings.election_config("a").demote_timeout
+
+
+# Forking with a second thread alive is the point (Python 3.12+ warns of it).
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_child_forked_while_a_parent_thread_counts_can_count() -> None:
+    # The elector's thread counts every half heartbeat; a fork at that
+    # instant copied the held thread lock into the child, where nothing
+    # could release it: the child's first count (its first
+    # @leader_only(validate=True) task) hung forever.
+    import threading
+
+    shared = SharedLeadership(("a",))
+    holding, release = threading.Event(), threading.Event()
+
+    def parent_thread_counting() -> None:
+        with shared._counters_locked(0):
+            holding.set()
+            release.wait(10)
+
+    counter = threading.Thread(target=parent_thread_counting)
+    counter.start()
+    assert holding.wait(10)
+    pid = os.fork()
+    if pid == 0:  # child: count once; exit 0 if that returned within 5 s
+        signal.alarm(5)
+        shared.count_validation("a", ok=True)
+        os._exit(0)
+    release.set()
+    counter.join(10)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
+        f"the child's count hung (status {status:#x})"
+    )
