@@ -42,7 +42,6 @@ from celery_nats_leader.core.errors import (
     KeyExistsError,
     NotConnectedError,
     PermissionDeniedError,
-    RecordFormatError,
     RevisionMismatchError,
 )
 from celery_nats_leader.election.base import BaseElection
@@ -50,7 +49,8 @@ from celery_nats_leader.election.follower_view import FollowerView
 from celery_nats_leader.election.roster import Roster
 from celery_nats_leader.election.vocabulary import DemoteReason, ElectionState, control_subject
 from celery_nats_leader.term import read_term
-from celery_nats_leader.term.record import LeaderRecord, decode_record, encode_record
+from celery_nats_leader.term.current import term_of
+from celery_nats_leader.term.record import LeaderRecord, encode_record
 from celery_nats_leader.term.token import FencingToken
 
 logger = logging.getLogger(__name__)
@@ -328,20 +328,20 @@ class KvElection(BaseElection):
         )
 
     def _decode(self, entry: KVEntry) -> LeaderRecord | None:
-        try:
-            return decode_record(entry.value, entry.revision)
-        except RecordFormatError as exc:
-            if self._bad_record_revision != entry.revision:
-                # Logged once per revision: someone else's data, treated as
-                # someone else's leadership until it expires or is deleted.
-                self._bad_record_revision = entry.revision
-                logger.warning(
-                    "%s: key holds a value that is not a leader record (%s); treating it as "
-                    "held by someone else",
-                    self.role,
-                    exc,
-                )
-            return None
+        term = term_of(entry)
+        if term is None:
+            return None  # a delete or purge marker: a released term
+        if term.record is None and self._bad_record_revision != entry.revision:
+            # Logged once per revision: someone else's data, treated as
+            # someone else's leadership until it expires or is deleted.
+            self._bad_record_revision = entry.revision
+            logger.warning(
+                "%s: key holds a value that is not a leader record (%s); treating it as "
+                "held by someone else",
+                self.role,
+                term.problem,
+            )
+        return term.record
 
     def _record_bytes(self, token: FencingToken | str, epoch: int | None) -> bytes:
         value = token.value if isinstance(token, FencingToken) else token

@@ -19,9 +19,9 @@ from celery_nats_leader.config import Strategy
 from celery_nats_leader.core import constants as c
 from celery_nats_leader.core.backend import Backend
 from celery_nats_leader.core.constants import DEFAULT_ROSTER_WINDOW_SECONDS, ROSTER_VERB
-from celery_nats_leader.core.errors import ElectionError, RecordFormatError
+from celery_nats_leader.core.errors import ElectionError
 from celery_nats_leader.election.vocabulary import control_subject
-from celery_nats_leader.term.record import decode_record
+from celery_nats_leader.term.current import term_of
 
 #: Version of the ``election_status --json`` document; bumped only on an
 #: incompatible change (fields are only ever added within one version).
@@ -163,15 +163,15 @@ async def _read_roles(
         entry = entries.get(role)
         if entry is None:
             return RoleStatus(role=role, leader_id=None, candidates=candidates)
-        try:
-            record = decode_record(entry.value, entry.revision)
-        except RecordFormatError as exc:
+        term = term_of(entry)
+        record = None if term is None else term.record
+        if record is None:
             return RoleStatus(
                 role=role,
                 leader_id=None,
                 revision=entry.revision,
                 candidates=candidates,
-                problem=str(exc),
+                problem=None if term is None else term.problem,
             )
         if record.is_fence:
             return RoleStatus(

@@ -64,13 +64,13 @@ from celery_nats_leader.core.errors import (
     BackendTimeoutError,
     ElectionError,
     NotLeaderError,
-    RecordFormatError,
     RevisionMismatchError,
 )
 from celery_nats_leader.election.control import ResignAnswer, ResignRequest
 from celery_nats_leader.election.vocabulary import control_subject
 from celery_nats_leader.ops.oneshot import with_backend
-from celery_nats_leader.term.record import LeaderRecord, decode_record, encode_fence
+from celery_nats_leader.term.current import term_of
+from celery_nats_leader.term.record import LeaderRecord, encode_fence
 
 logger = logging.getLogger(__name__)
 
@@ -151,12 +151,8 @@ class FenceOutcome:
 
 
 def _record(entry: KVEntry | None) -> LeaderRecord | None:
-    if entry is None or entry.operation is not Operation.PUT:
-        return None
-    try:
-        return decode_record(entry.value, entry.revision)
-    except RecordFormatError:
-        return None
+    term = term_of(entry)
+    return None if term is None else term.record
 
 
 class _KeyWatch:

@@ -40,11 +40,13 @@ class Term:
         revision: The KV revision of the entry.
         record: The leader record, or ``None`` when the value is not a record
             of this package (someone else's data: a term of unknown holder).
+        problem: Why the value is not a record (``None`` when it is one).
 
     """
 
     revision: int
     record: LeaderRecord | None
+    problem: str | None = None
 
     @property
     def epoch(self) -> int:
@@ -71,10 +73,9 @@ def term_of(entry: KVEntry | None) -> Term | None:
     if entry is None or entry.operation is not Operation.PUT:
         return None
     try:
-        record: LeaderRecord | None = decode_record(entry.value, entry.revision)
-    except RecordFormatError:
-        record = None
-    return Term(revision=entry.revision, record=record)
+        return Term(revision=entry.revision, record=decode_record(entry.value, entry.revision))
+    except RecordFormatError as exc:
+        return Term(revision=entry.revision, record=None, problem=str(exc))
 
 
 async def read_term(bucket: Bucket, role: str, *, timeout: float) -> Term | None:

@@ -45,7 +45,7 @@ def test_holds_compares_epoch_token_and_holder() -> None:
 
 def test_foreign_value_is_a_term_of_unknown_holder() -> None:
     term = term_of(entry(b"not a record", revision=12))
-    assert term == Term(revision=12, record=None)
+    assert term == Term(revision=12, record=None, problem="value at revision 12 is not JSON")
     # Newer than any term before it (for the beat fence), held by nobody we know.
     assert term.epoch == 12
     assert not term.holds(FencingToken(12, TOKEN))
