@@ -195,14 +195,19 @@ async def _ask_to_hand_over(
     *,
     requester: str,
     handover_wait: float,
+    answer_within: float,
 ) -> tuple[bool, str]:
-    """Ask the term's holder to resign; return (accepted, what happened in words)."""
+    """Ask the term's holder to resign; return (accepted, what happened in words).
+
+    The request waits ``answer_within`` seconds for the answer; the words
+    speak of ``handover_wait``, the wait the operator asked for.
+    """
     body = ResignRequest(
         requester=requester, leader_id=target.id, reason="fence", verify=True
     ).encode()
     try:
         reply = await backend.request(
-            control_subject(bucket, role, c.RESIGN_VERB), body, timeout=handover_wait
+            control_subject(bucket, role, c.RESIGN_VERB), body, timeout=answer_within
         )
     except BackendTimeoutError:
         # A stuck (paused, hung) or unreachable leader: no answer, or nobody
@@ -261,6 +266,7 @@ async def fence_leader(
     # before the fence write's acknowledgement is read.
     key = _KeyWatch()
     watch = await kv.watch(role, key.on_entry)
+    asking: asyncio.Future[tuple[bool, str]] | None = None
     try:
         entry = await kv.get(role, timeout=timeout)
         target = _record(entry)
@@ -293,10 +299,26 @@ async def fence_leader(
                 wait=wait,
             )
 
+        # The request stays open past handover_wait (by one operation
+        # timeout): a leader checks its term before answering, for up to its
+        # request timeout, so a late "yes" still says whose delete it was.
         if handover_wait > 0:
-            accepted, reason = await _ask_to_hand_over(
-                backend, bucket, role, target, requester=requester, handover_wait=handover_wait
+            asking = asyncio.ensure_future(
+                _ask_to_hand_over(
+                    backend,
+                    bucket,
+                    role,
+                    target,
+                    requester=requester,
+                    handover_wait=handover_wait,
+                    answer_within=handover_wait + timeout,
+                )
             )
+            await asyncio.wait({asking}, timeout=handover_wait)
+            if asking.done():
+                accepted, reason = asking.result()
+            else:
+                reason = f"it did not answer a request to hand over within {handover_wait:g}s"
             if accepted and (outcome := await handed_over_by(asked_at + handover_wait)):
                 return outcome
         for _ in range(_ATTEMPTS):
@@ -316,11 +338,14 @@ async def fence_leader(
                 entry = await kv.get(role, timeout=timeout)
                 current = _record(entry)
                 if entry is None or current is None or current.token != target.token:
-                    # It handed over after all, just later than the wait (its
-                    # answer too maybe: it checks its term before answering, for
-                    # up to its request timeout); its delete may not have come
-                    # through the watch yet (it comes before any successor's record).
-                    if handover_wait > 0 and (
+                    # Ended since we read it. A hand-over only if the leader
+                    # said yes, if late (it checks its term before answering,
+                    # for up to its request timeout): a delete alone may be a
+                    # follower's conditional delete of an expired key, the end
+                    # of a leader that never answered. Its delete may not have
+                    # come through the watch yet (it comes before any
+                    # successor's record).
+                    if await _said_yes(asking) and (
                         outcome := await handed_over_by(time.monotonic() + timeout)
                     ):
                         return outcome
@@ -354,7 +379,17 @@ async def fence_leader(
         )
         return await _successor(key, outcome, wait)
     finally:
+        if asking is not None:
+            asking.cancel()
         await watch.unsubscribe()
+
+
+async def _said_yes(asking: asyncio.Future[tuple[bool, str]] | None) -> bool:
+    """Whether the leader accepted the request to hand over, if late (waits for its answer)."""
+    if asking is None:
+        return False
+    await asyncio.wait({asking})  # bounded: the request's own timeout
+    return not asking.cancelled() and asking.exception() is None and asking.result()[0]
 
 
 async def _handed_over(

@@ -12,6 +12,7 @@ must fail when it runs again. Times are ``time.monotonic()`` of this host
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -29,6 +30,7 @@ from celery_nats_leader.config.connection import ConnectOptions
 from celery_nats_leader.core.constants import RESIGN_VERB
 from celery_nats_leader.core.errors import NotLeaderError
 from celery_nats_leader.election.base import control_subject
+from celery_nats_leader.election.control import ResignAnswer
 from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.ops.fence_leader import DEFAULT_HANDOVER_WAIT, fence_leader
 from celery_nats_leader.term.record import decode_record, encode_record
@@ -293,11 +295,14 @@ async def test_a_leader_that_releases_while_its_answer_is_late_is_reported_as_ha
     revision = await kv.create(ROLE, record, timeout=5)
     released: list[int] = []
 
-    async def release_without_answering(data: bytes, reply: str | None) -> None:
+    async def release_then_answer_late(data: bytes, reply: str | None) -> None:
         released.append(await kv.delete(ROLE, last=revision, timeout=5))
+        await asyncio.sleep(0.5)  # its answer comes after handover_wait (0.2 s)
+        assert reply is not None
+        await backend.publish(reply, ResignAnswer(id="a", accepted=True).encode())
 
     subscription = await backend.subscribe(
-        control_subject(fence_bucket, ROLE, RESIGN_VERB), release_without_answering
+        control_subject(fence_bucket, ROLE, RESIGN_VERB), release_then_answer_late
     )
     try:
         outcome = await fence_leader(
@@ -311,6 +316,40 @@ async def test_a_leader_that_releases_while_its_answer_is_late_is_reported_as_ha
         revision,
     )
     assert outcome.revision == released[0] > revision
+
+
+async def test_a_key_deleted_by_a_follower_is_no_hand_over_of_a_leader_that_never_answered(
+    nats_server: NatsServer, fence_bucket: str, operator: Client
+) -> None:
+    # The leader never answers (frozen, cut off); while the fence waits for
+    # it, a follower deletes the expired key conditionally at its revision
+    # (follower-driven expiry). The fence's write then loses: the term has
+    # ended, but not by a hand-over, and the outcome must not say it was.
+    backend = JetStreamBackend(operator)
+    kv = await backend.open_bucket(fence_bucket, ttl=None, create=False, replicas=1, timeout=5)
+    record = encode_record(instance_id="a", token="t-a", epoch=None, priority=0, meta={})
+    revision = await kv.create(ROLE, record, timeout=5)
+    asked = asyncio.Event()
+
+    async def never_answer(data: bytes, reply: str | None) -> None:
+        asked.set()
+
+    async def follower_deletes_the_expired_key() -> None:
+        await asked.wait()
+        await kv.delete(ROLE, last=revision, timeout=5)
+
+    subscription = await backend.subscribe(
+        control_subject(fence_bucket, ROLE, RESIGN_VERB), never_answer
+    )
+    follower = asyncio.ensure_future(follower_deletes_the_expired_key())
+    try:
+        with pytest.raises(NotLeaderError, match="ended meanwhile; nothing fenced"):
+            await fence_leader(
+                backend, fence_bucket, ROLE, requester="test", wait=0, handover_wait=0.3, timeout=1
+            )
+    finally:
+        follower.cancel()
+        await subscription.unsubscribe()
 
 
 async def test_beat_messages_of_an_ended_term_are_refused_with_nobody_leading(
