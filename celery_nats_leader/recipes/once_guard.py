@@ -264,7 +264,7 @@ class OnceGuard:
                 "(its lease was lost while it ran: a pause longer than the lease?)",
                 claim.key,
             )
-        await self._drop(kv_key, claim.revision)
+        await self._drop(kv_key, claim.revision, claim.nonce)
         return first
 
     async def release(self, claim: Claim) -> None:
@@ -273,7 +273,7 @@ class OnceGuard:
         For a run that did not happen or asked to be retried (Celery's
         ``Retry``, ``Reject(requeue=True)``). One KV round trip.
         """
-        await self._drop(once_key(claim.key), claim.revision)
+        await self._drop(once_key(claim.key), claim.revision, claim.nonce)
 
     async def status(self, key: str) -> dict[str, Any] | None:
         """The done record of ``key`` (``None`` when no run finished)."""
@@ -286,13 +286,23 @@ class OnceGuard:
         # A foreign value under our key still means "done": never run twice.
         return decode_once(entry.value) or {"key": kv_key, "outcome": "unknown"}
 
-    async def _drop(self, kv_key: str, revision: int) -> None:
+    async def _drop(self, kv_key: str, revision: int, nonce: str | None = None) -> None:
         try:
-            await self.leases.delete(kv_key, last=revision, timeout=self.timeout)
+            try:
+                await self.leases.delete(kv_key, last=revision, timeout=self.timeout)
+            except RevisionMismatchError:
+                # Expired, taken, or renewed by us after all: a renewal sent
+                # before the run ended can land after the caller stopped
+                # renewing, one revision later. Still ours (our nonce): delete
+                # it at that revision, or a requeued copy sat BUSY until it
+                # expired. Anything else is not ours to delete any more.
+                entry = await self.leases.get(kv_key, timeout=self.timeout)
+                held = decode_once(entry.value) if entry is not None else None
+                if entry is None or nonce is None or held is None or held.get("nonce") != nonce:
+                    return
+                await self.leases.delete(kv_key, last=entry.revision, timeout=self.timeout)
         except RevisionMismatchError:
-            # Renewed by nobody else than us, so: expired or taken. Either
-            # way it is not ours to delete any more.
-            pass
+            pass  # renewed again meanwhile is impossible: taken or expired
         except ElectionError as exc:
             # It expires by itself; until then a duplicate is told "busy".
             logger.warning("could not release the claim on %s (%s); it will expire", kv_key, exc)

@@ -167,3 +167,41 @@ def test_settings_defaults_and_validation() -> None:
         LeaderSettings(once_lease=60, once_retention=100)
     with pytest.raises(ConfigError):
         LeaderSettings(once_bucket="bad.name")
+
+
+async def test_a_renewal_that_lands_after_the_run_does_not_keep_the_lease(
+    server: MemoryServer,
+) -> None:
+    # The runner stopped renewing while one renewal was already sent; it
+    # landed after the run ended, one revision past the claim the runner
+    # holds. Releasing (or completing) at the older revision failed, the
+    # lease stayed until it expired, and a requeued copy sat BUSY.
+    a, _ = await _guard(server, "a")
+    b, _ = await _guard(server, "b")
+    claim = await a.claim("tick-7")
+    await a.renew(claim)  # the late renewal; the runner still holds `claim`
+    await a.release(claim)
+    assert (await b.claim("tick-7")).verdict is Verdict.RUN
+
+    done_claim = await a.claim("tick-8")
+    await a.renew(done_claim)
+    assert await a.complete(done_claim) is True
+    assert (await b.claim("tick-8")).verdict is Verdict.DONE
+    leases = await MemoryBackend(server).open_bucket(
+        "once_leases", ttl=LEASE, create=False, replicas=1, timeout=1
+    )
+    assert await leases.get(once_key("tick-8"), timeout=1) is None
+
+
+async def test_a_lease_taken_by_another_run_is_not_released(
+    server: MemoryServer, clock: ManualClock
+) -> None:
+    a, _ = await _guard(server, "a")
+    b, _ = await _guard(server, "b")
+    claim = await a.claim("tick-9")
+    clock.advance(LEASE + 1)  # a's lease expired; b runs it now
+    taken = await b.claim("tick-9")
+    assert taken.verdict is Verdict.RUN
+    await a.release(claim)
+    c, _ = await _guard(server, "c")
+    assert (await c.claim("tick-9")).verdict is Verdict.BUSY
