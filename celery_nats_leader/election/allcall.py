@@ -191,6 +191,7 @@ class AllcallElection(BaseElection):
         self._announced: tuple[str, int] | None = None
         self._max_epoch = 0
         self._released: deque[tuple[str, int]] = deque(maxlen=REMEMBERED_RELEASES)
+        self._hand_over_task: asyncio.Task[None] | None = None
 
         # Leader side.
         self._candidate_until = 0.0
@@ -297,7 +298,12 @@ class AllcallElection(BaseElection):
             return
         was_leader = self._state is ElectionState.LEADER
         claim = self._own_claim()
+        hand_over = self._hand_over_task
         await self._cancel_main()
+        if hand_over is not None and not hand_over.done():
+            # A release (resign, failed health check, takeover) is under way:
+            # let it broadcast, or the successor waits out the lease.
+            await asyncio.wait({hand_over})
         # The reason before the token: a thread that sees the term over
         # finds why (LeaderContext.reason).
         self._ending_reason = DemoteReason.STOPPED
@@ -896,13 +902,23 @@ class AllcallElection(BaseElection):
         # Sit out one TTL so that someone else takes the role.
         self._sit_out_until = self._clock.monotonic() + self.config.ttl
         logger.info("%s: stepping down (%s)", self.role, reason.value)
+        # In a task of its own, which stop() lets finish: stop() cancels the
+        # main loop, and a release cancelled there was never broadcast, so
+        # the successor waited out the lease (as for the KV strategy).
+        hand_over = asyncio.get_running_loop().create_task(
+            self._hand_over(reason, claim), name=f"release-{self.role}"
+        )
+        self._hand_over_task = hand_over
+        await asyncio.shield(hand_over)
+        self.wake()
+
+    async def _hand_over(self, reason: DemoteReason, claim: Claim) -> None:
+        """The release proper: demote callbacks, then the release is broadcast."""
         if not await self._demote_callbacks_done(self._notify_demoted(reason)):
-            self.wake()
             return  # the claim is left to lapse, as if this process had died
         self._forget_claim(claim)
         await self._publish(ALLCALL_VERB, self._message("release", claim=claim))
         logger.info("%s: released the term (epoch %d)", self.role, claim.epoch)
-        self.wake()
 
 
 def _record(claim: Claim) -> LeaderRecord:

@@ -411,6 +411,35 @@ async def test_stale_relay_of_a_released_claim_is_not_adopted(cluster: MemoryClu
     assert b.election.is_leader and b.election.leader_id == "b"
 
 
+async def test_a_stop_during_a_release_still_broadcasts_it(cluster: MemoryCluster) -> None:
+    # The failed health check's release runs its demote callbacks; a stop
+    # arrives meanwhile. The release ran inside the main task, which stop()
+    # cancels: it was never broadcast, and the successor waited out the lease.
+    healthy = {"a": True}
+    a = cluster.add("a", priority=9, health_check=lambda: healthy["a"], health_check_interval=0.01)
+    b = cluster.add("b")
+    await elect(cluster, a, b)
+    released = a.election._claim
+    assert released is not None
+    in_callback, finish = asyncio.Event(), asyncio.Event()
+
+    @a.election.on_demote
+    async def slow(reason: DemoteReason) -> None:
+        in_callback.set()
+        await finish.wait()
+
+    healthy["a"] = False
+    await in_callback.wait()  # the release is under way, in its demote callbacks
+    stopping = asyncio.ensure_future(a.election.stop())
+    await cluster.settle()
+    assert not stopping.done()  # stop() waits for the release
+    finish.set()
+    await stopping
+    await cluster.settle()  # no logical time passes: the release, not the lease
+    assert [n.name for n in cluster.leaders()] == ["b"]
+    assert a.demotions == [DemoteReason.HEALTH_CHECK_FAILED]
+
+
 async def test_polite_takeover_by_a_preferred_candidate(cluster: MemoryCluster) -> None:
     a = cluster.add("a", priority=1)
     await elect(cluster, a)
