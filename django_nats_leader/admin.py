@@ -15,11 +15,14 @@ permission get "Resign" and "Fence" buttons, each behind a confirmation page.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
+from django.db import connections, transaction
 from django.db.models import Model
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -76,6 +79,24 @@ ACTIONS = {
 }
 
 
+def _outside_request_transactions(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """``view`` exempt from ``ATOMIC_REQUESTS`` on every database.
+
+    The Fence button raises the role's database fence and then waits for a
+    successor: inside the request's transaction the fence would not be
+    visible to other connections until the response, and its row lock would
+    be held through the wait, blocking the successor's first fenced write.
+    """
+
+    @functools.wraps(view)
+    def action(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        return view(request, *args, **kwargs)
+
+    for alias in connections:
+        action = transaction.non_atomic_requests(using=alias)(action)
+    return action
+
+
 def _is_staff(request: HttpRequest) -> bool:
     user = getattr(request, "user", None)
     return bool(user is not None and user.is_active and user.is_staff)
@@ -116,7 +137,7 @@ class ElectionStatusAdmin(_StatusAdminBase):
             ),
             path(
                 "<str:action>/<path:role>/",
-                self.admin_site.admin_view(self.action_view),
+                self.admin_site.admin_view(_outside_request_transactions(self.action_view)),
                 name="{}_{}_action".format(*info),
             ),
         ]

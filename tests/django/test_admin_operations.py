@@ -190,3 +190,21 @@ def test_fence_from_the_admin_in_chromium(
     for shot in (status_shot, confirm_shot, after_shot):
         assert shot.stat().st_size > 5_000
         print(f"screenshot: {shot}")
+
+
+def test_the_fence_and_resign_view_runs_outside_request_transactions(monkeypatch: Any) -> None:
+    # Under ATOMIC_REQUESTS the fence was raised inside the request's
+    # transaction: invisible to other connections until the response, and
+    # its row lock held through the wait for the successor, whose first
+    # fenced write then blocked. Django's own handler decides it:
+    from django.core.handlers.base import BaseHandler
+    from django.db import connections
+    from django.urls import resolve
+
+    view = resolve(f"{URL}fence/default/").func
+    for alias in connections:
+        monkeypatch.setitem(connections.settings[alias], "ATOMIC_REQUESTS", True)
+    assert BaseHandler().make_view_atomic(view) is view
+    # The read-only status page keeps the project's choice.
+    status = resolve(URL).func
+    assert BaseHandler().make_view_atomic(status) is not status
