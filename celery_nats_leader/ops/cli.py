@@ -153,14 +153,16 @@ def status(
 ) -> None:
     """Print every role of the bucket with its leader and term.
 
-    Exits 1 when a configured role (nats_leader_roles, plus --role) has no
-    leader, or with --strict when its leader does not answer.
+    Exits 1 when a configured role (nats_leader_roles; the beat role when
+    beat_scheduler is a leader scheduler; --role) has no leader, or with
+    --strict when its leader does not answer.
     """
     settings = _settings(ctx)
+    beat = [settings.beat_role] if _beat_is_elected(ctx.find_root().obj.app.conf) else []
     try:
         report = fetch_report(
             settings,
-            configured_roles=[*settings.roles, *extra_roles],
+            configured_roles=[*settings.roles, *beat, *extra_roles],
             timeout=timeout,
             roster_window=window,
             name=CONNECTION_NAME,

@@ -287,3 +287,23 @@ def test_bucket_unreachable_server_exits_2(app: Celery) -> None:
     result = cli(app, "bucket", "--timeout", "1")
     assert result.exit_code == 2
     assert "cannot use the buckets" in result.output
+
+
+def test_status_requires_a_beat_leader_when_beat_runs_under_the_leader_scheduler(
+    app: Celery, two: dict[str, Elector]
+) -> None:
+    # "default" has a leader (cand-a). With a leader scheduler configured and
+    # no beat running, the beat role is configured and leaderless: exit 1.
+    # It used to check only nats_leader_roles and exit 0.
+    ok = cli(app, "status", "--json")
+    assert ok.exit_code == 0, ok.output
+    app.conf.beat_scheduler = "nats_leader"
+    missing = cli(app, "status", "--json")
+    assert missing.exit_code == 1, missing.output
+    doc = json.loads(missing.stdout)
+    roles = {role["role"]: role for role in doc["roles"]}
+    assert roles["beat"]["has_leader"] is False
+    assert roles["default"]["leader_id"] == "cand-a"
+    # Another scheduler: beat is not ours to check.
+    app.conf.beat_scheduler = "celery.beat:PersistentScheduler"
+    assert cli(app, "status").exit_code == 0
