@@ -37,9 +37,15 @@ What it does:
 
 Leader-only tasks are ``acks_late`` and ``reject_on_worker_lost``: a message is
 acknowledged only after the task ran (or was deliberately skipped), which is
-what makes a requeue lossless. Direct calls (``task()``) and eager execution
-(``apply()``, ``task_always_eager``) run the body without any check and
-without a token.
+what makes a requeue lossless.
+
+Direct calls (``task()``) run the body as a plain function call: no check, no
+token (pass ``leader_token`` yourself if the body needs one). Eager execution
+(``task_always_eager``, ``apply()``; development and tests, one process, no
+worker) runs the body in the caller without an election, with
+:data:`EAGER_TOKEN` (epoch 0, older than every real term) as its token, so
+that code written for the worker (``leader_token.epoch``, a fenced write)
+runs unchanged; a warning says so once per process.
 """
 
 from __future__ import annotations
@@ -85,6 +91,28 @@ _MARK = "__nats_leader__"
 
 #: The keyword through which the token is passed to functions that accept it.
 TOKEN_KWARG = "leader_token"
+
+#: The token of a leader-only task executed eagerly (``task_always_eager``,
+#: ``apply()``): there is no election in the caller; epoch 0 is older than
+#: every real term, so a database fence that has seen one refuses it.
+EAGER_TOKEN = FencingToken(epoch=0, value="eager-execution")
+
+_eager_warned = False
+
+
+def _eager_token(task: Any, role: str | None) -> FencingToken:
+    """The token of an eager execution of ``task`` (warns once per process)."""
+    global _eager_warned  # noqa: PLW0603 - one warning per process
+    if not _eager_warned:
+        _eager_warned = True
+        logger.warning(
+            "%s runs eagerly (task_always_eager or apply()): leader-only tasks run in the "
+            "caller without an election, with a token of epoch 0",
+            task.name,
+        )
+    task.request.leader_role = role
+    task.request.leader_token = EAGER_TOKEN
+    return EAGER_TOKEN
 
 
 @dataclass(frozen=True)
@@ -387,11 +415,14 @@ def leader_only(
             # Checked only when a worker executes *this* task: not for direct
             # or eager calls, nor when another task calls this function. The
             # mark survives other functools.wraps decorators stacked above.
-            if (
-                task is None
-                or getattr(task.run, _MARK, None) is not options
-                or not _worker_execution(task)
-            ):
+            if task is None or getattr(task.run, _MARK, None) is not options:
+                return f(*args, **kwargs)
+            if task.request.is_eager:
+                token = _eager_token(task, options.role)
+                if accepts_token and kwargs.get(TOKEN_KWARG) is None:
+                    kwargs[TOKEN_KWARG] = token
+                return f(*args, **kwargs)
+            if not _worker_execution(task):
                 return f(*args, **kwargs)
             return _run_guarded(
                 task, _binding(task), f, accepts_token=accepts_token, args=args, kwargs=kwargs
@@ -440,6 +471,11 @@ class LeaderTask(Task):  # type: ignore[misc]  # Celery is untyped
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task, on the leader only (see the module docs)."""
         marked = getattr(self.run, _MARK, None)
+        if self.request.is_eager and marked is None:
+            token = _eager_token(self, self.leader_role)
+            if _accepts_token(self.run) and kwargs.get(TOKEN_KWARG) is None:
+                kwargs = {**kwargs, TOKEN_KWARG: token}
+            return super().__call__(*args, **kwargs)
         if not _worker_execution(self):
             return super().__call__(*args, **kwargs)
         if marked is not None:

@@ -86,12 +86,14 @@ def test_token_parameter_is_hidden_from_callers(app: Celery) -> None:
         return x
 
     assert "leader_token" not in inspect.signature(job.run).parameters
-    # Direct and eager calls run the body without any check (and no token).
+    # Direct and eager calls run the body without any check.
     assert job(3) == 3
     assert job.apply(args=(4,)).get() == 4
 
 
 def test_eager_leader_task_runs_without_election(app: Celery) -> None:
+    from celery_nats_leader.worker.tasks import EAGER_TOKEN
+
     seen: list[Any] = []
 
     @app.task(shared=False, bind=True, base=LeaderTask)
@@ -100,7 +102,8 @@ def test_eager_leader_task_runs_without_election(app: Celery) -> None:
         return "ran"
 
     assert job.apply().get() == "ran"
-    assert seen == ["unset"]
+    assert seen == [EAGER_TOKEN]
+    assert EAGER_TOKEN.epoch == 0
 
 
 def test_bad_decorator_use_is_refused(app: Celery) -> None:
@@ -346,3 +349,39 @@ def test_a_child_forked_while_a_parent_thread_counts_can_count() -> None:
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
         f"the child's count hung (status {status:#x})"
     )
+
+
+def test_the_readme_task_runs_under_task_always_eager(caplog: pytest.LogCaptureFixture) -> None:
+    # The README's quickstart task, in development mode (task_always_eager,
+    # the default of common project templates): it used to fail with
+    # "'NoneType' object has no attribute 'epoch'".
+    from celery_nats_leader.worker import tasks as leader_tasks
+
+    app = Celery("eager", set_as_current=False)
+    app.conf.update(task_always_eager=True, nats_leader_roles=["reports"])
+    install(app)
+    printed: list[str] = []
+
+    @app.task(bind=True)
+    @leader_only(role="reports")
+    def nightly_report(self: Any, day: str = "yesterday", leader_token: Any = None) -> str:
+        printed.append(f"report for {day} under epoch {leader_token.epoch}")
+        return str(self.request.leader_token.epoch)
+
+    class Weekly(LeaderTask):
+        leader_role = "reports"
+
+    @app.task(bind=True, base=Weekly)
+    def weekly_report(self: Any, leader_token: Any = None) -> int:
+        return int(leader_token.epoch)
+
+    caplog.set_level("WARNING", logger="celery_nats_leader.worker.tasks")
+    leader_tasks._eager_warned = False
+    assert nightly_report.delay("2026-11-23").get() == "0"
+    assert printed == ["report for 2026-11-23 under epoch 0"]
+    assert weekly_report.apply().get() == 0
+    warned = [r.getMessage() for r in caplog.records if "runs eagerly" in r.getMessage()]
+    assert len(warned) == 1, warned  # once per process
+    # A direct call is a plain function call: no token unless given.
+    with pytest.raises(AttributeError, match="epoch"):
+        nightly_report("2026-11-24")
