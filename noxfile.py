@@ -225,4 +225,6 @@ def dist(session: nox.Session) -> None:
         if "site-packages" not in str(where):
             session.error(f"the work tree's package was imported, not the sdist's: {where}")
         session.log(f"testing {str(where).strip()}")
-        session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit")
+        junit = os.environ.get("CNL_TEST_LOGS")
+        report = [f"--junitxml={junit}/sdist-unit.xml"] if junit else []
+        session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *report, "tests/unit")

@@ -1,6 +1,6 @@
 """Print the timing summary of a scripts/test run: each step, each tier.
 
-    scripts/summarize_tests.py LOG_DIR LINT_SECONDS TOTAL_SECONDS
+    scripts/summarize_tests.py LOG_DIR SETUP_SECONDS LINT_SECONDS TOTAL_SECONDS
 
 Reads LOG_DIR/steps (name, exit status, seconds per step) and the JUnit
 reports LOG_DIR/*.xml (every pytest run, the oldest set's tiers included:
@@ -18,9 +18,11 @@ from pathlib import Path
 
 def main() -> int:
     """Print the summary; always 0 (scripts/test decides the exit status)."""
-    logs, lint, total = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    logs = Path(sys.argv[1])
+    setup, lint, total = (int(arg) for arg in sys.argv[2:5])
     print("== timing summary")
     print(f"{'step':<10} {'status':<8} {'seconds':>8}")
+    print(f"{'set-up':<10} {'ok':<8} {setup:>8}")
     print(f"{'lint':<10} {'ok':<8} {lint:>8}")
     steps = (logs / "steps").read_text().split("\n") if (logs / "steps").exists() else []
     for line in filter(None, steps):
