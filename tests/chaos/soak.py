@@ -60,6 +60,7 @@ from typing import Any
 import nats
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 
+from celery_nats_leader.core.constants import BACKOFF_MAX_SECONDS
 from celery_nats_leader.testing.cluster import NatsCluster
 from celery_nats_leader.testing.fault_proxy import ThreadedFaultProxy
 from celery_nats_leader.testing.process import thread_states
@@ -359,6 +360,25 @@ class Soak:
             )
 
         self._retry("create the bucket", lambda: self._nats(create))
+
+    def _wait_for_the_bucket(self, timeout: float) -> None:
+        """Wait until the bucket's stream answers with a leader (JetStream recovered).
+
+        The quiet window judges the election once the faults are over; a
+        cluster still electing the stream's leader, or a store still
+        recovering, is the tail of the last fault, not quiet.
+        """
+
+        async def has_leader(nc: Any) -> None:
+            info = await nc.jetstream(timeout=2).stream_info(f"KV_{self.bucket}")
+            if not (info.cluster and info.cluster.leader):
+                raise RuntimeError("the bucket's stream has no leader yet")
+
+        self._retry(
+            "reach the bucket's stream leader",
+            lambda: self._nats(has_leader),
+            attempts=max(1, int(timeout / 0.5)),
+        )
 
     def _retry(self, what: str, action: Callable[[], Any], attempts: int = 20) -> Any:
         for attempt in range(attempts):
@@ -972,12 +992,24 @@ class Soak:
             self._schedule(progress)
             for thread in self._threads:
                 thread.join(60)
-            # Every candidate up again, then quiet: every role must have a leader.
-            for cand in self.candidates:
-                cand.ensure_running()
-            quiet = opts.quiet or 3 * opts.ttl + 2
+            # Every candidate up again, then quiet: every role must have a
+            # leader. The quiet window outlasts a campaign's longest backoff
+            # after JetStream recovers (BACKOFF_MAX_SECONDS), and candidates
+            # that exit in it (a stop still running its callbacks when the
+            # window began) are started again: the window judges the election,
+            # not whether a candidate happened to be running.
+            self._wait_for_the_bucket(60)
+            quiet = opts.quiet or max(3 * opts.ttl, BACKOFF_MAX_SECONDS + opts.ttl) + 2
             self.log.emit("quiet", seconds=quiet)
-            time.sleep(quiet)
+            until = time.monotonic() + quiet
+            while True:
+                for cand in self.candidates:
+                    with self._bucket_lock:
+                        cand.ensure_running()
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                time.sleep(min(0.2, left))
             self.log.emit("done")
             # Every task sent has run (the workers are still up); then the
             # beats stop, and their worker runs the ticks they dispatched.

@@ -39,6 +39,8 @@ from typing import Any
 
 from celery_nats_leader import DemoteReason, ElectionConfig, ElectionError, KvElection
 from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.core.backoff import Backoff
+from celery_nats_leader.core.errors import is_transient
 from celery_nats_leader.election.observer import NullObserver
 from celery_nats_leader.nats.connection import ConnectionListener, open_backend
 from celery_nats_leader.term.token import FencingToken
@@ -284,11 +286,9 @@ async def _run(args: argparse.Namespace, log: EventLog) -> int:
     )
     code = 0
     try:
-        try:
-            await asyncio.gather(*(e.start(wait=0) for e in elections))
-        except ElectionError as exc:
-            log.emit("error", error=type(exc).__name__, message=str(exc))
-            return 2
+        if not await _start_all(elections, log, stopping):
+            code = 2
+            return code
         log.emit("ready", roles=roles)
         writer.start()
         done = {loop.create_task(stopping.wait()), loop.create_task(failed.wait())}
@@ -305,6 +305,38 @@ async def _run(args: argparse.Namespace, log: EventLog) -> int:
             await backend.close()
         log.emit("stopped", code=code)
     return code
+
+
+async def _start_all(elections: list[KvElection], log: Any, stopping: asyncio.Event) -> bool:
+    """Start every election, retrying transient errors as the Celery layer does.
+
+    A JetStream that answers "temporarily unavailable" (a cluster electing a
+    stream leader, a store that was full) or a request that timed out is no
+    reason for a candidate to give up: the worker and beat retry their start
+    (``retry_transient``), and so does this child, until it is told to stop.
+    Returns whether every election started (``False``: a permanent error, or
+    a stop while retrying).
+    """
+    pending = list(elections)
+    backoff = Backoff(maximum=1.0, breaker_threshold=1_000_000)
+    while pending:
+        attempted, pending = pending, []
+        results = await asyncio.gather(
+            *(e.start(wait=0) for e in attempted), return_exceptions=True
+        )
+        for election, result in zip(attempted, results, strict=True):
+            if not isinstance(result, BaseException):
+                continue
+            log.emit("error", error=type(result).__name__, message=str(result))
+            if not (isinstance(result, ElectionError) and is_transient(result)):
+                return False
+            pending.append(election)
+        if pending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), backoff.failure())
+            if stopping.is_set():
+                return False
+    return True
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
