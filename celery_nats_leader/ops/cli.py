@@ -646,7 +646,8 @@ def seed_beat(
     scheduler would have sent next (nothing skipped, nothing repeated).
     Entries that already have a state are kept (--replace overwrites them).
     django-celery-beat: `manage.py election_seed_beat`. Exits 2 when a source
-    or NATS cannot be read.
+    or NATS cannot be read, or when the source holds no entry at all (a wrong
+    path, URL or key prefix).
     """
     from celery_nats_leader.ops.seed import (
         last_runs_from_redbeat,
@@ -669,6 +670,20 @@ def seed_beat(
             last_runs = last_runs_from_redbeat(str(url), key_prefix=str(prefix))
     except ConfigError as exc:
         click.echo(f"Error: {exc}", err=True)
+        ctx.exit(EXIT_ERROR)
+    if not last_runs:
+        # A wrong path, URL or key prefix reads as "nothing to seed": say so
+        # and fail, or the new beat starts from an empty state.
+        source = (
+            f"the schedule file {shelve_path!r}"
+            if shelve_path is not None
+            else f"Redis {url!r} under the key prefix {prefix!r}"
+        )
+        click.echo(
+            f"Error: no periodic entry found in {source}: nothing seeded; check the "
+            "source (the old beat's -s, --redis-url, --key-prefix)",
+            err=True,
+        )
         ctx.exit(EXIT_ERROR)
 
     try:

@@ -9,6 +9,7 @@ real schedulers, is ``test_beat_migrate.py``.
 from __future__ import annotations
 
 import json
+import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,6 +35,8 @@ from celery_nats_leader.ops.seed import (
     seed_schedule_state,
 )
 from celery_nats_leader.testing import NatsServer
+from tests.support.brokers import REDIS_URL
+from tests.support.services import require_service
 
 UTC = timezone.utc
 T0 = datetime(2026, 11, 27, 10, 0, 0, 123456, tzinfo=UTC)
@@ -179,3 +182,29 @@ def test_the_seed_beat_command(nats_server: NatsServer, tmp_path: Path) -> None:
     entries = {e["entry"]: e for e in json.loads(again.output)["entries"]}
     assert entries["every-minute"]["action"] == "kept"
     assert entries["every-minute"]["state"]["runs"] == 5
+
+
+def test_a_source_with_no_entry_is_an_error(nats_server: NatsServer, tmp_path: Path) -> None:
+    # A wrong schedule file (an empty one) or a wrong redbeat key prefix used
+    # to seed nothing and exit 0: the new beat then started from an empty
+    # state. Nothing to seed from is an error that names the source.
+    app = Celery("seed-empty", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        timezone="UTC",
+        result_expires=None,
+        nats_leader_servers=[nats_server.url],
+    )
+    path = str(tmp_path / "celerybeat-schedule")
+    empty = PersistentScheduler(app=app, schedule_filename=path)
+    empty.sync()
+    empty.close()
+    result = seed_cli(app, "--shelve", path)
+    assert result.exit_code == 2, result.output
+    assert f"no periodic entry found in the schedule file {path!r}" in result.output
+
+    require_service("Redis", REDIS_URL)
+    prefix = f"nothing-here-{uuid.uuid4().hex[:8]}:"
+    result = seed_cli(app, "--redbeat", "--redis-url", REDIS_URL, "--key-prefix", prefix)
+    assert result.exit_code == 2, result.output
+    assert f"under the key prefix {prefix!r}" in result.output

@@ -63,6 +63,12 @@ class Command(BaseCommand):
         settings = load_settings()
         timeout = float(options["timeout"])
         last_runs = periodic_task_last_runs()
+        if not last_runs:
+            raise CommandError(
+                "no PeriodicTask row found in this database: nothing seeded (is this the "
+                "database django-celery-beat's DatabaseScheduler used?)",
+                returncode=EXIT_ERROR,
+            )
 
         try:
             outcomes = seed_with_settings(
