@@ -372,7 +372,7 @@ def bucket(
                 wanted[0].name,
                 create=action == "create",
                 max_age=events_max_age,
-                replicas=settings.bucket_replicas,
+                replicas=settings.bucket_replicas if replicas is None else replicas,
                 timeout=timeout,
             )
         return found, floor, stream

@@ -242,3 +242,36 @@ async def test_migrated_r3_bucket_keeps_its_epoch_floor_across_a_leader_change(
             return handle.token.epoch
 
     assert await in_thread(campaign) == last + 101
+
+
+async def test_the_events_stream_is_created_with_the_replicas_asked_for(
+    cluster: NatsCluster,
+) -> None:
+    # `bucket --create --replicas 3 --events-max-age` made R3 buckets and a
+    # single-replica events stream (it read nats_leader_bucket_replicas only).
+    from types import SimpleNamespace
+
+    from celery import Celery
+    from click.testing import CliRunner
+
+    from celery_nats_leader.election.vocabulary import events_stream
+    from celery_nats_leader.ops.cli import nats_leader
+
+    app = Celery("replicas", set_as_current=False)
+    app.conf.update(nats_leader_servers=list(cluster.urls), nats_leader_bucket="r3_events")
+
+    def create() -> str:
+        result = CliRunner().invoke(
+            nats_leader,
+            ["bucket", "--create", "--replicas", "3", "--events-max-age", "600", "--json"],
+            obj=SimpleNamespace(app=app),
+        )
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    await in_thread(create)
+    async with await open_backend(ConnectOptions(servers=tuple(cluster.urls))) as be:
+        kv = await be.js.stream_info("KV_r3_events")
+        events = await be.js.stream_info(events_stream("r3_events"))
+    assert kv.config.num_replicas == 3
+    assert events.config.num_replicas == 3

@@ -77,9 +77,15 @@ def migrate(
 
 
 def stream_of(
-    settings: LeaderSettings, bucket: str, *, max_age: float, create: bool, timeout: float
+    settings: LeaderSettings,
+    bucket: str,
+    *,
+    max_age: float,
+    create: bool,
+    timeout: float,
+    replicas: int | None = None,
 ) -> StreamInfo | None:
-    """The bucket's events stream (created with ``create``), or ``None``."""
+    """The bucket's events stream (created with ``create``, ``replicas`` or the setting's)."""
     return with_backend(
         settings,
         lambda backend: events_stream_of(
@@ -87,7 +93,7 @@ def stream_of(
             bucket,
             create=create,
             max_age=max_age,
-            replicas=settings.bucket_replicas,
+            replicas=settings.bucket_replicas if replicas is None else replicas,
             timeout=timeout,
         ),
         timeout=timeout,
@@ -210,6 +216,7 @@ class Command(BaseCommand):
                     max_age=options["events_max_age"],
                     create=options["create"],
                     timeout=options["timeout"],
+                    replicas=options["replicas"],
                 )
             except (ElectionError, ValueError) as exc:
                 raise CommandError(
