@@ -58,7 +58,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from celery_nats_leader.config.settings import LeaderSettings
-from celery_nats_leader.core import constants as c
 from celery_nats_leader.core.backend import Backend, KVEntry, Operation
 from celery_nats_leader.core.errors import (
     BackendTimeoutError,
@@ -66,9 +65,9 @@ from celery_nats_leader.core.errors import (
     NotLeaderError,
     RevisionMismatchError,
 )
-from celery_nats_leader.election.control import ResignAnswer, ResignRequest
-from celery_nats_leader.election.vocabulary import control_subject
+from celery_nats_leader.election.control import ResignRequest
 from celery_nats_leader.ops.oneshot import with_backend
+from celery_nats_leader.ops.resign import ask_to_resign
 from celery_nats_leader.term.current import term_of
 from celery_nats_leader.term.record import LeaderRecord, encode_fence
 
@@ -202,13 +201,9 @@ async def _ask_to_hand_over(
     The request waits ``answer_within`` seconds for the answer; the words
     speak of ``handover_wait``, the wait the operator asked for.
     """
-    body = ResignRequest(
-        requester=requester, leader_id=target.id, reason="fence", verify=True
-    ).encode()
+    request = ResignRequest(requester=requester, leader_id=target.id, reason="fence", verify=True)
     try:
-        reply = await backend.request(
-            control_subject(bucket, role, c.RESIGN_VERB), body, timeout=answer_within
-        )
+        answer = await ask_to_resign(backend, bucket, role, request, timeout=answer_within)
     except BackendTimeoutError:
         # A stuck (paused, hung) or unreachable leader: no answer, or nobody
         # subscribed at all. Either way only a fence ends its term.
@@ -217,7 +212,7 @@ async def _ask_to_hand_over(
         # Not allowed to ask (permissions), or NATS failed: the operator asked
         # to end the term, so fence; the reason says why it was not asked.
         return False, f"it could not be asked to hand over ({exc})"
-    if ResignAnswer.decode(reply).accepted:
+    if answer.accepted:
         return True, (
             f"it agreed to hand over but had not released the key within {handover_wait:g}s"
         )

@@ -51,6 +51,25 @@ class ResignOutcome:
     handover_seconds: float | None = None
 
 
+async def ask_to_resign(
+    backend: Backend, bucket: str, role: str, request: ResignRequest, *, timeout: float
+) -> ResignAnswer:
+    """Send ``request`` to ``role``'s leader on its control channel; return its answer.
+
+    The one request of the resign verb from the operator side (``resign``,
+    and ``fence``'s hand-over).
+
+    Raises:
+        BackendTimeoutError: Nobody answered within ``timeout``.
+        ElectionError: The request could not be sent (permissions, NATS).
+
+    """
+    reply = await backend.request(
+        control_subject(bucket, role, c.RESIGN_VERB), request.encode(), timeout=timeout
+    )
+    return ResignAnswer.decode(reply)
+
+
 async def resign_leader(
     backend: Backend,
     bucket: str,
@@ -109,18 +128,15 @@ async def resign_leader(
 
     watch = await kv.watch(role, on_entry)
     try:
-        body = ResignRequest(requester=requester, leader_id=leader_id).encode()
+        request = ResignRequest(requester=requester, leader_id=leader_id)
         started = time.monotonic()
         try:
-            reply = await backend.request(
-                control_subject(bucket, role, c.RESIGN_VERB), body, timeout=timeout
-            )
+            answer = await ask_to_resign(backend, bucket, role, request, timeout=timeout)
         except BackendTimeoutError as exc:
             raise BackendTimeoutError(
                 f"the leader of {role!r} ({previous.id}) did not answer within {timeout:g}s: "
                 "it may have crashed; its term ends when the key expires"
             ) from exc
-        answer = ResignAnswer.decode(reply)
         accepted, answered_by = answer.accepted, answer.id
         handover = None
         if accepted and wait > 0:
