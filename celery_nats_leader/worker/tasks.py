@@ -475,7 +475,10 @@ class LeaderTask(Task):  # type: ignore[misc]  # Celery is untyped
             token = _eager_token(self, self.leader_role)
             if _accepts_token(self.run) and kwargs.get(TOKEN_KWARG) is None:
                 kwargs = {**kwargs, TOKEN_KWARG: token}
-            return super().__call__(*args, **kwargs)
+            # The eager tracer has pushed the request (with the token on it):
+            # call run() directly, as on the worker (Task.__call__ would push
+            # a fresh request before Celery 5.4, without the token).
+            return self.run(*args, **kwargs)
         if not _worker_execution(self):
             return super().__call__(*args, **kwargs)
         if marked is not None:
