@@ -94,6 +94,9 @@ def _pyenv_on_path() -> None:
 _pyenv_on_path()
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
+# A missing interpreter is a failure, not a skipped session that exits 0
+# (nox's default outside CI): a lane would pass without running a test.
+nox.options.error_on_missing_interpreters = True
 
 
 @nox.session(python=PYTHONS)

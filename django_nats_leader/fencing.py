@@ -176,7 +176,9 @@ def fenced(
         holder: Who writes (an instance id), stored for operators.
 
     Yields:
-        The role's locked fence row, already carrying ``token``'s epoch.
+        The role's locked fence row, already carrying ``token``'s epoch. For
+        the eager token (epoch 0: ``task_always_eager``), which never
+        creates nor raises the fence, an unsaved row when the role has none.
 
     Raises:
         StaleLeaderError: ``token`` is older than the newest epoch seen for
@@ -190,6 +192,22 @@ def fenced(
     prefix = fencing_token.value[:TOKEN_PREFIX_CHARS]
     db = _database(using)
     with transaction.atomic(using=db):
+        if fencing_token.epoch == 0:
+            # No term at all: an eager run (task_always_eager; development
+            # and tests). It never creates or raises the fence (a row at 0
+            # would read as a KV term and lock every ALLCALL term out), and
+            # is refused once the database has seen any real term.
+            existing = FenceEpoch.objects.using(db).select_for_update().filter(role=role).first()
+            if existing is not None:
+                raise StaleLeaderError(
+                    f"stale leader for role {role!r}: an eager run (epoch 0) is older than "
+                    f"epoch {existing.epoch}, already seen by the database",
+                    role=role,
+                    epoch=0,
+                    current_epoch=existing.epoch,
+                )
+            yield FenceEpoch(role=role, epoch=0, token_prefix=prefix, holder=holder)
+            return
         # Insert-or-nothing first, so that two first writers of a role cannot
         # both create the row (ON CONFLICT DO NOTHING / INSERT OR IGNORE).
         FenceEpoch.objects.using(db).bulk_create(

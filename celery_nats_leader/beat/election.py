@@ -161,7 +161,7 @@ class BeatElection:
         if elector is None:
             return
         was_leader = self.is_leader
-        elector.stop()
+        elector.stop(timeout=self.settings.release_bound([self.config.role]))
         if was_leader:
             logger.info("nats-leader beat: stopped; role %r released", self.config.role)
 

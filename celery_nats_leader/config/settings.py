@@ -15,7 +15,7 @@ import difflib
 import logging
 import re
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -336,6 +336,21 @@ class LeaderSettings:
             return ElectionConfig.from_mapping(base)
         except ConfigError as exc:
             raise ConfigError(f"nats_leader settings for role {role!r}: {exc}") from exc
+
+    def release_bound(self, roles: Sequence[str]) -> float:
+        """Seconds a process's stop may take: demote callbacks, then each key's release.
+
+        The longest ``demote_timeout + request_timeout`` of ``roles`` (they
+        stop side by side), plus a second for the connection to close. A
+        demote receiver that never returns is cut off by its own
+        ``demote_timeout``, so this bounds the shutdown all the same; a
+        shorter bound would cancel the release behind a slow callback and
+        make the successor wait out the TTL.
+        """
+        configs = [self.election_config(role) for role in roles]
+        if not configs:
+            return 1.0
+        return max(cfg.demote_timeout + cfg.request_timeout for cfg in configs) + 1.0
 
     def catch_up_window(self) -> float:
         """Seconds within which a beat scheduler catches missed ticks up one by one.

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from celery_nats_leader.config.settings import LeaderSettings
@@ -307,7 +307,7 @@ class WorkerElection:
             # demote_timeout), then each held key is deleted (one request):
             # the bound leaves room for both, so that a slow demote callback
             # does not cancel the release and make the successor wait a TTL.
-            self.elector.stop(timeout=release_bound(self.settings, self.roles))
+            self.elector.stop(timeout=self.settings.release_bound(self.roles))
         self.shared.clear_all()
         # A stopped service leaves no election behind: checks in this process
         # then say that none runs, not that this worker skips the role.
@@ -553,17 +553,3 @@ class LeaderQueueController:
             # Redis: a BRPOP already waiting on the old queues would read the
             # leader queue only after its timeout (~1 s); end it now.
             wake_consumer(task_consumer)
-
-
-def release_bound(settings: LeaderSettings, roles: Sequence[str]) -> float:
-    """Seconds a worker's stop may take: demote callbacks, then the release of each key.
-
-    The longest ``demote_timeout + request_timeout`` of the roles (they stop
-    side by side), plus a second for the connection to close. A demote
-    receiver that never returns is cut off by its own ``demote_timeout``,
-    so this bounds the shutdown all the same.
-    """
-    configs = [settings.election_config(role) for role in roles]
-    if not configs:
-        return 1.0
-    return max(cfg.demote_timeout + cfg.request_timeout for cfg in configs) + 1.0

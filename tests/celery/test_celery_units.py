@@ -306,16 +306,15 @@ def test_a_worker_stop_leaves_room_for_demote_callbacks_and_the_release(ttl: flo
     # receiver got the release cancelled, the key was not deleted and the
     # successor waited a whole TTL.
     from celery_nats_leader.config.settings import LeaderSettings
-    from celery_nats_leader.worker.election import release_bound
 
     settings = LeaderSettings(ttl=ttl, roles=("a", "b"), role_options={"b": {"demote_timeout": 7}})
     longest = max(
         settings.election_config(r).demote_timeout + settings.election_config(r).request_timeout
         for r in ("a", "b")
     )
-    assert release_bound(settings, ("a", "b")) == pytest.approx(longest + 1.0)
-    assert release_bound(settings, ("a", "b")) > 7.0
-    assert release_bound(settings, ("a",)) > settings.election_config("a").demote_timeout
+    assert settings.release_bound(("a", "b")) == pytest.approx(longest + 1.0)
+    assert settings.release_bound(("a", "b")) > 7.0
+    assert settings.release_bound(("a",)) > settings.election_config("a").demote_timeout
 
 
 # Forking with a second thread alive is the point (Python 3.12+ warns of it).

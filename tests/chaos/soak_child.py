@@ -332,7 +332,8 @@ async def _start_all(elections: list[KvElection], log: Any, stopping: asyncio.Ev
                 return False
             pending.append(election)
         if pending:
-            with contextlib.suppress(TimeoutError):
+            # (asyncio.TimeoutError: the builtin TimeoutError only from Python 3.11)
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stopping.wait(), backoff.failure())
             if stopping.is_set():
                 return False

@@ -268,3 +268,27 @@ def test_first_writers_race_on_an_empty_role(alias: str, pool: ThreadPoolExecuto
     assert max(epochs) in accepted
     assert all(epoch < max(committed) for epoch in rejected)
     assert current_epoch("race", using=alias) == max(epochs)
+
+
+@pytest.mark.parametrize("alias", backends(transaction=False), indirect=True)
+def test_an_eager_run_never_creates_nor_raises_the_fence(alias: str) -> None:
+    # task_always_eager gives leader-only tasks EAGER_TOKEN (epoch 0). A row
+    # created at 0 would read as a KV term and refuse every ALLCALL term.
+    from celery_nats_leader.term.token import ALLCALL_EPOCH_FLOOR
+    from celery_nats_leader.worker.tasks import EAGER_TOKEN
+
+    with fenced("jobs", EAGER_TOKEN, using=alias, holder="eager") as row:
+        Write.objects.using(alias).create(role="jobs", epoch=0, writer="eager")
+    assert row.epoch == 0 and row._state.adding  # never saved
+    assert current_epoch("jobs", using=alias) is None
+    allcall = FencingToken(ALLCALL_EPOCH_FLOOR + 1, "allcall-term")
+    with fenced("jobs", allcall, using=alias, holder="allcall"):
+        pass
+    assert current_epoch("jobs", using=alias) == allcall.epoch
+    # Once a real term was seen, an eager run is older than it: refused.
+    with (
+        pytest.raises(StaleLeaderError, match=r"an eager run \(epoch 0\) is older"),
+        fenced("jobs", EAGER_TOKEN, using=alias, holder="eager"),
+    ):
+        Write.objects.using(alias).create(role="jobs", epoch=0, writer="too late")
+    assert writers(alias) == ["eager"]

@@ -170,6 +170,7 @@ def test_a_database_fence_of_the_other_strategy_is_reported_beside_the_ended_ter
     doc = json.loads(out.getvalue())
     assert (doc["action"], doc["fenced"]) == ("fenced", {"id": "a", "epoch": epoch})
     assert doc["database_epoch"] is None
+    assert "manage.py election_fence_reset" in doc["database_problem"]
     warning = err.getvalue()
     assert f"database fence of {ROLE!r} not raised" in warning
     assert f"holds epoch {allcall_epoch}, a term of the 'allcall' strategy" in warning

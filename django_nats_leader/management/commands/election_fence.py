@@ -16,9 +16,10 @@ it). A successor whose first fenced write got there first already raised the
 fence above that revision: that is success too.
 
 Exit status: 0 when the term ended (handed over or fenced; the output says
-which), 1 when nobody leads the role (or its term is not ``--epoch``), 2 when
-NATS cannot be used or the database fence holds an epoch of the other
-strategy (the message says what to run).
+which), also when the database fence could not be raised (a database error,
+or a fence that holds an epoch of the other strategy: stderr says what to
+run, and ``--json`` has it as ``database_problem``); 1 when nobody leads the
+role (or its term is not ``--epoch``); 2 when NATS cannot be used.
 """
 
 from __future__ import annotations
@@ -229,6 +230,7 @@ class Command(BaseCommand):
         if options["json"]:
             body = outcome.to_dict()
             body["database_epoch"] = database_epoch
+            body["database_problem"] = None if problem is None else str(problem)
             self.stdout.write(json.dumps(body, sort_keys=True))
             return
         (_, ended), *successor = fence_lines(outcome, float(wait))
