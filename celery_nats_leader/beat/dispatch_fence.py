@@ -37,7 +37,7 @@ from celery_nats_leader.core.constants import (
     TICK_HEADER,
     TOKEN_HEADER,
 )
-from celery_nats_leader.core.errors import ElectionError, RecordFormatError
+from celery_nats_leader.core.errors import ElectionError, RecordFormatError, is_transient
 from celery_nats_leader.nats.process_client import ProcessClient
 from celery_nats_leader.term import TermReader
 from celery_nats_leader.term.token import FencingToken
@@ -71,6 +71,8 @@ class DispatchCheck:
         epoch: The epoch of the term that dispatched the message.
         current_epoch: The epoch of the role's current term, if read.
         reason: Why it may not run ("" when it may).
+        needs_operator: With ``certain=False``: the read failed for a reason
+            that does not pass by itself (a missing bucket, a permission).
 
     """
 
@@ -81,6 +83,7 @@ class DispatchCheck:
     epoch: int | None = None
     current_epoch: int | None = None
     reason: str = ""
+    needs_operator: bool = False
 
 
 def _request_headers(request: Any) -> Mapping[str, Any]:
@@ -210,8 +213,16 @@ class DispatchFence:
                 True, False, role=role, epoch=epoch, current_epoch=current_epoch, reason=reason
             )
 
-        def unverifiable(reason: str) -> DispatchCheck:
-            return DispatchCheck(True, False, certain=False, role=role, epoch=epoch, reason=reason)
+        def unverifiable(reason: str, exc: ElectionError) -> DispatchCheck:
+            return DispatchCheck(
+                True,
+                False,
+                certain=False,
+                role=role,
+                epoch=epoch,
+                reason=reason,
+                needs_operator=not is_transient(exc),
+            )
 
         highest = self.highest_epoch(role)
         if epoch < highest:
@@ -221,7 +232,7 @@ class DispatchFence:
         try:
             current = self.current_epoch(role)
         except ElectionError as exc:
-            return unverifiable(f"the current term of {role!r} could not be read: {exc}")
+            return unverifiable(f"the current term of {role!r} could not be read: {exc}", exc)
         if current is not None and current > epoch:
             return refused(
                 f"dispatched under epoch {epoch}; the current term is {current}", current
@@ -231,7 +242,8 @@ class DispatchFence:
                 dispatched = self.dispatched_epoch(role, entry)
             except ElectionError as exc:
                 return unverifiable(
-                    f"nobody leads {role!r} and the state of {entry!r} could not be read: {exc}"
+                    f"nobody leads {role!r} and the state of {entry!r} could not be read: {exc}",
+                    exc,
                 )
             if dispatched > epoch:
                 return refused(
@@ -318,14 +330,19 @@ def enforce_dispatch_token(task: Any, *, retry_countdown: float = 1.0) -> Dispat
         return verdict
     headers = _request_headers(task.request)
     if not verdict.certain:
-        logger.warning(
+        # Kept, never run unchecked nor dropped. A problem that needs an
+        # operator (a missing bucket, a permission) is said at ERROR and
+        # checked again less often: it does not pass by itself.
+        countdown = retry_countdown * 10 if verdict.needs_operator else retry_countdown
+        logger.log(
+            logging.ERROR if verdict.needs_operator else logging.WARNING,
             "%s[%s]: cannot check its beat epoch yet (%s); retrying in %gs",
             task.name,
             task.request.id,
             verdict.reason,
-            retry_countdown,
+            countdown,
         )
-        raise recheck_later(task, retry_countdown)
+        raise recheck_later(task, countdown)
     logger.warning(
         "%s[%s]: not run: %s (entry %r, tick %s)",
         task.name,

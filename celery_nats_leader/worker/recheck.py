@@ -45,8 +45,10 @@ def recheck_later(task: Any, countdown: float, *, exc: BaseException | None = No
 
     Raises:
         Reject: The copy could not be sent: the message is rejected *with*
-            requeue, so that the broker delivers it again (Celery's own retry
-            drops it here).
+            requeue (Celery's own retry drops it here). The broker delivers
+            it again only for a task with ``acks_late`` (leader-only tasks
+            always are); a task acknowledged on receipt is lost here, as with
+            Celery's retry.
 
     """
     request = task.request

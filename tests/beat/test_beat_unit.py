@@ -41,10 +41,12 @@ from celery_nats_leader.beat.ticks import TickPlanner, next_slot, parse_slot, sl
 from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.core.backend import KVEntry
 from celery_nats_leader.core.errors import (
+    BackendTimeoutError,
     BucketConfigError,
     BucketNotFoundError,
     ConfigError,
     NatsUnavailableError,
+    PermissionDeniedError,
 )
 from celery_nats_leader.election.elector import Elector
 from celery_nats_leader.nats.memory import (
@@ -781,3 +783,30 @@ def test_dispatch_check_without_io_for_unfenced_and_malformed() -> None:
     for bad in ("nope", "-3", 0, True, "12:abc"):
         verdict = check_dispatch_token(Request({EPOCH_HEADER: bad}), app)
         assert not verdict.ok and verdict.fenced and "malformed" in verdict.reason, bad
+
+
+@pytest.mark.parametrize(
+    ("error", "needs_operator"),
+    [
+        (PermissionDeniedError("permissions violation for $JS.API.STREAM.INFO"), True),
+        (BucketNotFoundError("KV bucket 'leaders' does not exist"), True),
+        (BackendTimeoutError("no answer"), False),
+    ],
+)
+def test_the_dispatch_fence_says_when_an_unreadable_term_needs_an_operator(
+    error: Exception, needs_operator: bool
+) -> None:
+    # An unreadable term keeps the message (it is checked again); a missing
+    # bucket or permission does not pass by itself: said at ERROR, checked
+    # less often. A timeout or an outage passes: checked every second.
+    from celery_nats_leader.beat.dispatch_fence import DispatchFence
+    from celery_nats_leader.config.connection import ConnectOptions
+
+    class Unreadable(DispatchFence):
+        def current_epoch(self, role: str) -> int | None:
+            raise error
+
+    fence = Unreadable(ConnectOptions(), "leaders")
+    verdict = fence.check("beat", 7, "every-minute")
+    assert (verdict.ok, verdict.certain) == (False, False)
+    assert verdict.needs_operator is needs_operator
