@@ -280,6 +280,19 @@ def install_routing(app: Any) -> None:
 # ------------------------------------------------------ execution check
 
 
+def _eager(task: Any) -> bool:
+    """Whether ``task`` runs under an eager execution (``task_always_eager``, ``apply()``).
+
+    Looked up the whole request stack: a base class whose ``__call__`` calls
+    ``super().__call__`` (``OnceTask``, a project's own) has Celery before 5.4
+    push a fresh request over the eager tracer's, without ``is_eager``.
+    """
+    if task.request.is_eager:
+        return True
+    stack = getattr(getattr(task, "request_stack", None), "stack", None) or ()
+    return any(getattr(request, "is_eager", False) for request in stack)
+
+
 def _worker_execution(task: Any) -> bool:
     """Whether ``task`` is being executed from a message by a worker."""
     request = task.request
@@ -417,7 +430,7 @@ def leader_only(
             # mark survives other functools.wraps decorators stacked above.
             if task is None or getattr(task.run, _MARK, None) is not options:
                 return f(*args, **kwargs)
-            if task.request.is_eager:
+            if _eager(task):
                 token = _eager_token(task, options.role)
                 if accepts_token and kwargs.get(TOKEN_KWARG) is None:
                     kwargs[TOKEN_KWARG] = token
@@ -471,7 +484,7 @@ class LeaderTask(Task):  # type: ignore[misc]  # Celery is untyped
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task, on the leader only (see the module docs)."""
         marked = getattr(self.run, _MARK, None)
-        if self.request.is_eager and marked is None:
+        if marked is None and _eager(self):
             token = _eager_token(self, self.leader_role)
             if _accepts_token(self.run) and kwargs.get(TOKEN_KWARG) is None:
                 kwargs = {**kwargs, TOKEN_KWARG: token}

@@ -384,3 +384,22 @@ def test_the_readme_task_runs_under_task_always_eager(caplog: pytest.LogCaptureF
     # A direct call is a plain function call: no token unless given.
     with pytest.raises(AttributeError, match="epoch"):
         nightly_report("2026-11-24")
+
+
+def test_an_eager_leader_only_task_under_a_base_with_its_own_call_gets_the_token() -> None:
+    # OnceTask's __call__ calls super().__call__: before Celery 5.4 that
+    # pushes a fresh request (not eager) over the eager tracer's one.
+    from celery_nats_leader import OnceTask
+    from celery_nats_leader.worker.tasks import EAGER_TOKEN
+
+    app = Celery("eager-once", set_as_current=False)
+    app.conf.update(task_always_eager=True, nats_leader_roles=["reports"])
+    install(app)
+
+    @app.task(bind=True, base=OnceTask)
+    @leader_only(role="reports")
+    def job(self: Any, leader_token: Any = None) -> int:
+        assert leader_token is EAGER_TOKEN
+        return int(leader_token.epoch)
+
+    assert job.delay().get() == 0
