@@ -167,6 +167,11 @@ def tests(session: nox.Session, deps: str) -> None:
             session.log(f"{server} / {tier}: {'passed' if code == 0 else 'FAILED'} ({summary})")
             if code != 0:
                 failed.append(f"{server}/{tier}")
+                # pytest's short summary names each failed test: said here
+                # so a CI log shows it after the logs folder is gone.
+                for line in log.read_text().splitlines():
+                    if line.startswith(("FAILED ", "ERROR ")):
+                        session.log(line[:300])
     if failed:
         session.error(f"failed: {', '.join(failed)} (logs in {LOGS})")
 

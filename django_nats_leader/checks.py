@@ -19,6 +19,9 @@
 ``nats_leader.E012``   a bucket's ``max_age`` is wrong (not the TTL; any on the beat state)
 ``nats_leader.E013``   the server has no JetStream
 ``nats_leader.W014``   the bucket keeps more than one value per key
+``nats_leader.W015``   a once-guard bucket does not exist (ticks run once under a
+                       leader scheduler; least-privilege workers cannot create it)
+``nats_leader.E016``   a once-guard bucket has other settings than the guard's
 =====================  =========================================================
 """
 
@@ -39,6 +42,7 @@ from django_nats_leader import conf
 
 if TYPE_CHECKING:
     from celery_nats_leader.core.backend import BucketInfo
+    from celery_nats_leader.ops.bucket import BucketTarget
 
 #: The tag of these checks: ``manage.py check --tag nats_leader``.
 TAG = "nats_leader"
@@ -206,11 +210,14 @@ def check_server(
         settings = conf.leader_settings()
     except ConfigError:
         return []  # check_settings reports it
-    from celery_nats_leader.ops.bucket import bucket_ttls, probe
+    from celery_nats_leader.ops.bucket import bucket_targets, bucket_ttls, probe
 
     wanted = bucket_ttls(settings)
     state_bucket = settings.beat_state_bucket if conf.beat_is_elected() else None
-    names = [*wanted, *([state_bucket] if state_bucket else [])]
+    guard = (
+        bucket_targets(settings, once=True) if settings.beat_once and conf.beat_is_elected() else []
+    )
+    names = [*wanted, *([state_bucket] if state_bucket else []), *(t.name for t in guard)]
     result = probe(settings, names, timeout=DEPLOY_CHECK_TIMEOUT)
     servers = ", ".join(settings.servers)
     if not result.reachable:
@@ -236,6 +243,8 @@ def check_server(
     found: list[checks.CheckMessage] = []
     if state_bucket is not None:
         found += _state_bucket(state_bucket, result.buckets.get(state_bucket), settings, servers)
+    for target in guard:
+        found += _once_bucket(target, result.buckets.get(target.name), servers)
     for bucket, info in sorted(result.buckets.items()):
         if bucket not in wanted:
             continue
@@ -306,6 +315,35 @@ def _state_bucket(
             )
         ]
     return []
+
+
+def _once_bucket(
+    target: BucketTarget, info: BucketInfo | None, servers: str
+) -> list[checks.CheckMessage]:
+    if info is None:
+        # Workers create it on first use if their NATS user may; a
+        # least-privilege `worker` user may not, and then runs no tick.
+        return [
+            checks.Warning(
+                f"KV bucket {target.name!r} (the once-guard's, which ticks are claimed in) "
+                f"does not exist on {servers}; workers create it at start-up only if their "
+                "NATS user may create buckets.",
+                hint=(
+                    "Create it once as an operator: `manage.py election_bucket --create` "
+                    "(the least-privilege `worker` user of deploy/nats/permissions.conf may "
+                    "not), or set NATS_LEADER['BEAT_ONCE'] = False if ticks need not run once."
+                ),
+                id="nats_leader.W015",
+            )
+        ]
+    return [
+        checks.Error(
+            f"KV bucket {target.name!r} (the once-guard's): {problem}",
+            hint="Workers refuse a once-guard bucket made with other settings.",
+            id="nats_leader.E016",
+        )
+        for problem in target.problems(info)
+    ]
 
 
 __all__ = ["DEPLOY_CHECK_TIMEOUT", "TAG", "check_server", "check_settings", "register_checks"]

@@ -30,7 +30,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from celery_nats_leader.config.settings import CELERY_PREFIX, LeaderSettings
+from celery_nats_leader.config.settings import CELERY_PREFIX, LeaderSettings, is_leader_scheduler
 from celery_nats_leader.core.errors import ConfigError
 
 #: Name of the Django setting holding the dict.
@@ -139,11 +139,7 @@ def beat_is_elected() -> bool:
     """
     from django.conf import settings
 
-    scheduler = getattr(settings, "CELERY_BEAT_SCHEDULER", None)
-    if scheduler is None:
-        return False
-    text = scheduler if isinstance(scheduler, str) else getattr(scheduler, "__module__", "")
-    return "nats_leader" in str(text)
+    return is_leader_scheduler(getattr(settings, "CELERY_BEAT_SCHEDULER", None))
 
 
 def expected_roles(settings: LeaderSettings) -> tuple[str, ...]:

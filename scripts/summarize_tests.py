@@ -5,7 +5,9 @@
 Reads LOG_DIR/steps (name, exit status, seconds per step) and the JUnit
 reports LOG_DIR/*.xml (every pytest run, the oldest set's tiers included:
 nox writes them there when CNL_TEST_LOGS names the folder). The last line is
-the plain count line, "N passed, N failed", of every test run together.
+the plain count line, "N passed, N failed", of every test run together;
+above it, each failed test with the first line of its message, so a CI log
+names what failed even when the per-run logs are gone.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main() -> int:
         print(f"{name:<10} {'ok' if code == '0' else 'FAILED':<8} {int(seconds):>8}")
     print(f"{'wall':<10} {'':<8} {total:>8}")
     totals: Counter[str] = Counter()
+    failures: list[str] = []
     print()
     header = ("run", "tier", "tests", "passed", "failed", "skipped", "sec")
     print("{:<22} {:<12} {:>6} {:>7} {:>7} {:>8} {:>7}".format(*header))
@@ -43,6 +46,11 @@ def main() -> int:
             for child in case:
                 if child.tag in ("failure", "error"):
                     outcome = "failed"
+                    message = (child.get("message") or child.text or "").strip()
+                    first = message.splitlines()[0][:200] if message else ""
+                    failures.append(
+                        f"{report.stem}: {case.get('classname')}::{case.get('name')}: {first}"
+                    )
                 elif child.tag == "skipped":
                     outcome = "skipped"
             tiers[tier][outcome] += 1
@@ -54,6 +62,11 @@ def main() -> int:
                 f"{report.stem:<22} {tier:<12} {sum(c.values()):>6} {c['passed']:>7} "
                 f"{c['failed']:>7} {c['skipped']:>8} {seconds[tier]:>7.0f}"
             )
+    if failures:
+        print()
+        print("== failed")
+        for line in failures:
+            print(line)
     print()
     print(f"{totals['passed']} passed, {totals['failed']} failed")
     return 0

@@ -5,10 +5,9 @@
   ElectionConfig`` is the import path);
 * :mod:`.settings`: :class:`~.settings.LeaderSettings`, a process's
   connection and roles, read from Celery's or Django's configuration;
-* :mod:`.constants`: every default, limit and naming convention.
+* :mod:`.connection`: :class:`~.connection.ConnectOptions`, how to reach NATS.
 
-``celery_nats_leader.settings`` and ``celery_nats_leader.constants``, their
-old paths, keep working.
+Defaults, limits and naming conventions are in :mod:`celery_nats_leader.core.constants`.
 """
 
 from __future__ import annotations

@@ -495,6 +495,22 @@ def unknown_celery_settings(conf: Any) -> list[str]:
 _app_settings: weakref.WeakKeyDictionary[Any, LeaderSettings] = weakref.WeakKeyDictionary()
 
 
+def is_leader_scheduler(scheduler: Any) -> bool:
+    """Whether a ``beat_scheduler`` value names one of this package's schedulers.
+
+    Then beat campaigns for the beat role: the role needs a leader, beat needs
+    its state bucket, and the ticks it sends run under the once-guard.
+
+    Args:
+        scheduler: The setting's value: a dotted path or alias, or a class.
+
+    """
+    if scheduler is None:
+        return False
+    text = scheduler if isinstance(scheduler, str) else getattr(scheduler, "__module__", "")
+    return "nats_leader" in str(text)
+
+
 def settings_of_app(app: Any) -> LeaderSettings:
     """A Celery app's :meth:`LeaderSettings.from_celery`, read once per app (not once per task).
 

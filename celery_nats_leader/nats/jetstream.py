@@ -779,6 +779,7 @@ class JetStreamBackend:
         )
         # Called from open_bucket's handler of a missing bucket: the errors
         # are translated here, the handlers beside that one do not see them.
+        started = time.monotonic()
         try:
             try:
                 return await asyncio.wait_for(self.js.create_key_value(config), timeout)
@@ -789,6 +790,8 @@ class JetStreamBackend:
         except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
             raise _jetstream_refusal(exc) from exc
         except (asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
+            # A user who may not create streams sees a timeout: say why.
+            self._raise_if_refused(started, f"creating KV bucket {name!r}")
             raise BackendTimeoutError(f"creating KV bucket {name!r} timed out") from exc
         except nats.js.errors.APIError as exc:
             raise _bucket_api_error(exc, name) from exc

@@ -21,6 +21,10 @@ settings, renames a scraped ``instance`` label to ``exported_instance``.
 * ``nats_leader_ttl_seconds`` (gauge): the role's TTL (for alert rules).
 * ``nats_leader_connected`` (gauge, label ``instance_id``): 1 while the NATS
   connection is up.
+* ``nats_leader_once_guard_ready`` (gauge, labels ``bucket`` (the
+  ``once_bucket``) and ``instance_id``): on workers whose tasks use the
+  once-guard, 1 once its buckets proved usable, 0 while they are not
+  (:mod:`~celery_nats_leader.worker.once_check`); absent elsewhere.
 * ``nats_leader_failures_total`` (counter, plus ``kind``): every failure, by
   kind: ``renewal``, ``validation``, and each involuntary end of a term
   (``lease_expired``, ``disconnected``, ``revision_changed``, ``key_deleted``,
@@ -119,6 +123,15 @@ class PrometheusObserver:
             "1 while the role's election is not running because of an error "
             "(missing bucket, permission denied, NATS unreachable), else 0.",
             labels,
+            namespace=namespace,
+            registry=self.registry,
+        )
+        self.once_guard_ready = Gauge(
+            "once_guard_ready",
+            "1 when this worker's once-guard buckets are usable, 0 while they are not "
+            "(missing and not creatable, a permission missing, other settings): ticks "
+            "and once-guarded tasks then never run on it.",
+            ("bucket", "instance_id"),
             namespace=namespace,
             registry=self.registry,
         )
@@ -298,6 +311,10 @@ class PrometheusObserver:
     def set_election_error(self, role: str, instance_id: str, failing: bool) -> None:
         """Set the election-error gauge: 1 while the role's election cannot run."""
         self.election_error.labels(*self._labels(role, instance_id)).set(1 if failing else 0)
+
+    def set_once_guard_ready(self, bucket: str, instance_id: str, ready: bool) -> None:
+        """Set the once-guard gauge of a worker (``bucket`` is its ``once_bucket``)."""
+        self.once_guard_ready.labels(bucket, instance_id).set(1 if ready else 0)
 
     def set_leader(self, role: str, instance_id: str, leading: bool) -> None:
         """Set the is-leader gauge (the lease can end without a state change)."""

@@ -223,6 +223,7 @@ def bucket_targets(
     replicas: int | None = None,
     beat_state: bool = False,
     once: bool = False,
+    once_guard: bool = False,
 ) -> list[BucketTarget]:
     """The buckets an operator command works on.
 
@@ -233,13 +234,18 @@ def bucket_targets(
         ttl: ``max_age`` to create with and expect (default: the configured TTL).
         replicas: Replicas to create with and, when given, to expect.
         beat_state: Include the beat schedule's state bucket (no ``max_age``).
-        once: The once-guard's two buckets (``max_age`` = ``once_lease`` and
-            ``once_retention``) instead: they hold tasks' run records, not
-            the elections', so they are checked, created and deleted apart.
+        once: Only the once-guard's two buckets (``max_age`` = ``once_lease``
+            and ``once_retention``): they hold tasks' run records, not the
+            elections', so ``--delete --once`` deletes them apart.
+        once_guard: Add the once-guard's two buckets after the others (the
+            deployment uses the guard: ticks run once under a leader
+            scheduler), so that one ``--create`` by an operator makes every
+            bucket the workers need.
 
     Returns:
-        The election bucket first, then the beat state bucket if asked for;
-        with ``once``, the once-guard's lease bucket, then its done bucket.
+        The election bucket first, then the beat state bucket if asked for,
+        then the once-guard's lease bucket and its done bucket if asked for;
+        with ``once``, only the last two.
 
     Raises:
         ConfigError: ``once`` with ``bucket`` (the once-guard's buckets are
@@ -247,25 +253,26 @@ def bucket_targets(
 
     """
     create_replicas = replicas if replicas is not None else settings.bucket_replicas
+    # The names and settings the worker's once-guard opens them with.
+    guard = [
+        BucketTarget(
+            f"{settings.once_bucket}_leases",
+            ONCE_LEASES,
+            settings.once_lease,
+            create_replicas,
+            replicas,
+        ),
+        BucketTarget(
+            settings.once_bucket, ONCE_DONE, settings.once_retention, create_replicas, replicas
+        ),
+    ]
     if once:
         if bucket is not None:
             raise ConfigError(
                 "--bucket names an election bucket; the once-guard's buckets come from "
                 "the once_bucket setting (leave out --bucket)"
             )
-        # The names and settings the worker's once-guard opens them with.
-        return [
-            BucketTarget(
-                f"{settings.once_bucket}_leases",
-                ONCE_LEASES,
-                settings.once_lease,
-                create_replicas,
-                replicas,
-            ),
-            BucketTarget(
-                settings.once_bucket, ONCE_DONE, settings.once_retention, create_replicas, replicas
-            ),
-        ]
+        return guard
     name = bucket or settings.bucket
     found = [
         BucketTarget(
@@ -280,6 +287,8 @@ def bucket_targets(
         found.append(
             BucketTarget(settings.beat_state_bucket, BEAT_STATE, None, create_replicas, replicas)
         )
+    if bucket is None and once_guard:
+        found += guard
     return found
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import click
 
 from celery_nats_leader.config import validate_bucket, validate_key
-from celery_nats_leader.config.settings import LeaderSettings
+from celery_nats_leader.config.settings import LeaderSettings, is_leader_scheduler
 from celery_nats_leader.core import constants as c
 from celery_nats_leader.core.backend import Backend
 from celery_nats_leader.core.errors import (
@@ -227,9 +227,7 @@ def resign(
 
 def _beat_is_elected(conf: Any) -> bool:
     """Whether the app's beat runs under a leader scheduler (then it needs a state bucket)."""
-    scheduler = conf.get("beat_scheduler")
-    text = scheduler if isinstance(scheduler, str) else getattr(scheduler, "__module__", "")
-    return "nats_leader" in str(text)
+    return is_leader_scheduler(conf.get("beat_scheduler"))
 
 
 @nats_leader.command()
@@ -265,8 +263,9 @@ def _beat_is_elected(conf: Any) -> bool:
 @click.option(
     "--once",
     is_flag=True,
-    help="Work on the once-guard's buckets instead (<once_bucket>_leases and "
-    "<once_bucket>); workers create them on first use where they may.",
+    help="Only the once-guard's buckets (<once_bucket>_leases and <once_bucket>). "
+    "Without it, --check and --create include them when beat_scheduler is a leader "
+    "scheduler and ticks run once (nats_leader_beat_once); --delete never does.",
 )
 @click.option(
     "--events-max-age",
@@ -337,6 +336,13 @@ def bucket(
             replicas=replicas,
             beat_state=beat_state or _beat_is_elected(app.conf),
             once=once,
+            # The buckets workers claim ticks in: made by the same --create
+            # (least-privilege workers may not create them), never deleted
+            # by a plain --delete (they remember which ticks ran).
+            once_guard=settings.beat_once
+            and _beat_is_elected(app.conf)
+            and action != "delete"
+            and not migrating,
         )
         for target in wanted:
             validate_bucket(target.name)

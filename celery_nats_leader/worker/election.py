@@ -37,6 +37,7 @@ from celery_nats_leader.worker import shared_leadership
 from celery_nats_leader.worker.beat_once import guard_beat_ticks
 from celery_nats_leader.worker.broker_wake import wake_consumer
 from celery_nats_leader.worker.leader_services import on_own_thread, registered_services
+from celery_nats_leader.worker.once_check import OnceGuardCheck, once_guard_in_use
 from celery_nats_leader.worker.shared_leadership import SharedLeadership, WorkerLeadership
 from celery_nats_leader.worker.signals import leader_demoted, leader_promoted
 from celery_nats_leader.worker.tasks import leader_tasks, upgrade_tasks
@@ -113,6 +114,7 @@ class WorkerElection:
         self.queues = LeaderQueueController(app, self.queue_names, self.is_leader)
         self.services = self._add_services(app, settings)
         self._refresher: Any = None
+        self.once_check: OnceGuardCheck | None = None
         self._started = False
         self._stopped = False
         # Installed now, before the pool forks, so that children inherit it.
@@ -284,10 +286,29 @@ class WorkerElection:
         # the background and logs a warning for every failed attempt, while
         # the worker serves ordinary tasks.
         self.elector.start(timeout=settings.start_timeout, require_connection=settings.required)
+        self._check_once_guard()
         if self._handles:
             self._refresher = self.elector.loop.submit(self._refresh_forever())
         else:
             logger.warning("nats-leader: nats_leader_roles is empty; this worker leads nothing")
+
+    def _check_once_guard(self) -> None:
+        """Check the once-guard's buckets now (``required``) or in the background."""
+        if not once_guard_in_use(self.app, self.settings):
+            return
+        metrics = self.metrics
+
+        def report(ready: bool) -> None:
+            if metrics is not None:
+                metrics.set_once_guard_ready(self.settings.once_bucket, self.instance_id, ready)
+
+        self.once_check = OnceGuardCheck(
+            self.settings, app_name=self.app.main or "<app>", report=report
+        )
+        if self.settings.required:
+            self.once_check.require()
+        else:
+            self.once_check.start()
 
     def stop(self) -> None:
         """Stop campaigning; a leader releases its roles first. Idempotent.
@@ -300,6 +321,8 @@ class WorkerElection:
         if self._stopped:
             return
         self._stopped = True
+        if self.once_check is not None:
+            self.once_check.stop()
         self.queues.close()
         if self._started:
             logger.info("nats-leader: releasing leadership and leaving the election")

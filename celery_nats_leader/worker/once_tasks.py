@@ -62,19 +62,14 @@ from celery.utils.log import get_task_logger
 from celery_nats_leader.config.settings import LeaderSettings, settings_of_app
 from celery_nats_leader.core.backend import Bucket
 from celery_nats_leader.core.backoff import retry_transient
-from celery_nats_leader.core.errors import (
-    BucketConfigError,
-    BucketNotFoundError,
-    ElectionError,
-    PermissionDeniedError,
-)
+from celery_nats_leader.core.errors import ElectionError, is_transient
 from celery_nats_leader.nats.process_client import ProcessClient
 from celery_nats_leader.recipes.once_guard import Claim, ClaimLostError, OnceGuard, Verdict
 from celery_nats_leader.worker.celery_compat import replaced_task_nesting
 from celery_nats_leader.worker.recheck import recheck_later
 from celery_nats_leader.worker.refused import NotRun
 
-__all__ = ["OnceService", "OnceTask", "run_once", "run_task_once"]
+__all__ = ["OnceService", "OnceTask", "guards_its_runs", "run_once", "run_task_once"]
 
 logger = logging.getLogger(__name__)
 task_logger = get_task_logger(__name__)
@@ -83,6 +78,9 @@ T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
 _MARK = "__nats_leader_once__"
+#: Seconds :meth:`OnceService.check` waits: 2 buckets × (look up, create,
+#: settings), each bounded by the connection's JetStream timeout (5 s).
+OPEN_BOUND_SECONDS = 35.0
 #: Request attribute: this request's id is claimed by the running guard.
 _CLAIMED = "_nats_leader_once_claimed"
 
@@ -120,8 +118,14 @@ class OnceService:
         """The process's client the guard runs on."""
         return ProcessClient.for_settings(self.settings)
 
-    def run(self, coro: Callable[[OnceGuard], Coroutine[Any, Any, T]]) -> T:
+    def run(
+        self, coro: Callable[[OnceGuard], Coroutine[Any, Any, T]], *, timeout: float | None = None
+    ) -> T:
         """Run ``coro(guard)`` on the client's loop and wait for it.
+
+        Args:
+            coro: What to run with the guard.
+            timeout: Seconds to wait (default: a claim's bound, ``4 × timeout + 2``).
 
         Raises:
             ElectionError: NATS did not answer in time, or the buckets are unusable.
@@ -133,8 +137,27 @@ class OnceService:
             return await coro(await self._open(client))
 
         return client.run(
-            call(), 4 * self.timeout + 2.0, what="the once-guard got no answer from NATS"
+            call(),
+            4 * self.timeout + 2.0 if timeout is None else timeout,
+            what="the once-guard got no answer from NATS",
         )
+
+    def check(self) -> None:
+        """Open the guard's two buckets as a claim does (creating them where allowed).
+
+        Raises:
+            ElectionError: They cannot be used (missing and not creatable, a
+                permission missing, other settings) or NATS did not answer.
+
+        """
+
+        async def opened(_guard: OnceGuard) -> None:
+            return None
+
+        # Long enough for each step of opening and creating both buckets to
+        # time out by itself: a refused creation is then said as such
+        # (a permission), not as NATS not answering.
+        self.run(opened, timeout=OPEN_BOUND_SECONDS)
 
     async def _open(self, client: ProcessClient) -> OnceGuard:
         # The buckets are opened once per connection (the client keeps
@@ -236,9 +259,8 @@ def run_task_once(task: Any, call: Callable[[], T]) -> T:
     except ElectionError as exc:
         # Kept (retried), never run unguarded nor dropped; a problem that
         # needs an operator (bucket settings, permissions) is said at ERROR.
-        permanent = isinstance(exc, (BucketConfigError, BucketNotFoundError, PermissionDeniedError))
         task_logger.log(
-            logging.ERROR if permanent else logging.WARNING,
+            logging.WARNING if is_transient(exc) else logging.ERROR,
             "%s[%s]: cannot claim its id (%s); retrying in %gs",
             task.name,
             task_id,
@@ -310,6 +332,13 @@ def _settle(service: OnceService, step: Callable[[OnceGuard], Coroutine[Any, Any
             "after the lease may run again",
             exc,
         )
+
+
+def guards_its_runs(task: Any) -> bool:
+    """Whether ``task`` claims each run in the once-guard (``OnceTask``, ``@run_once``)."""
+    if isinstance(task, OnceTask):
+        return True
+    return getattr(getattr(task, "run", None), _MARK, None) is not None
 
 
 class OnceTask(Task):  # type: ignore[misc]  # Celery is untyped

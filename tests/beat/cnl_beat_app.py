@@ -176,7 +176,7 @@ def make_app(config: dict[str, Any]) -> Celery:
 
         django.setup()
     app = Celery("cnl_beat", set_as_current=True)
-    app.conf.update(
+    conf: dict[str, Any] = dict(
         broker_url=config["broker_url"],
         broker_transport_options=config.get("broker_transport_options", {}),
         broker_connection_retry_on_startup=True,
@@ -200,10 +200,12 @@ def make_app(config: dict[str, Any]) -> Celery:
         nats_leader_ttl=config["ttl"],
         nats_leader_required=True,
         nats_leader_start_timeout=30.0,
-        **{f"nats_leader_{k}": v for k, v in config.get("extra", {}).items()},
-        # Plain Celery settings of a test (another scheduler's: redbeat_*).
-        **config.get("celery", {}),
     )
+    # A test's own settings win (nats_leader_required=False, ...).
+    conf.update({f"nats_leader_{k}": v for k, v in config.get("extra", {}).items()})
+    # Plain Celery settings of a test (another scheduler's: redbeat_*).
+    conf.update(config.get("celery", {}))
+    app.conf.update(conf)
     if any(spec["kind"] == "fastcron" for spec in config.get("entries", [])) and (
         "beat_catch_up_window" not in config.get("extra", {})
     ):

@@ -208,10 +208,29 @@ def test_bucket_with_the_leader_beat_scheduler(app: Celery, bucket: str) -> None
     created = cli(app, "bucket", "--create", "--json")
     assert created.exit_code == 0, created.output
     entries = {e["kind"]: e for e in json.loads(created.stdout)["buckets"]}
+    assert list(entries) == ["election", "beat_state", "once_leases", "once_done"]
     assert entries["election"]["ttl"] == TTL
     assert entries["beat_state"]["name"] == f"{bucket}_beat"
     assert entries["beat_state"]["ttl"] == 0  # the schedule's state never expires
-    assert cli(app, "bucket", "--delete", "--yes").exit_code == 0
+    # Ticks run once by default: the buckets workers claim them in, made by
+    # the same command (a least-privilege worker may not create them).
+    assert (entries["once_leases"]["name"], entries["once_done"]["name"]) == (
+        f"{bucket}_once_leases",
+        f"{bucket}_once",
+    )
+    assert all(e["created"] for e in entries.values())
+    # A plain --delete leaves the once-guard's memory of finished runs.
+    deleted = cli(app, "bucket", "--delete", "--yes", "--json")
+    assert deleted.exit_code == 0, deleted.output
+    kinds = [e["kind"] for e in json.loads(deleted.stdout)["buckets"]]
+    assert kinds == ["election", "beat_state"]
+    remaining = json.loads(cli(app, "bucket", "--once", "--json").stdout)["buckets"]
+    assert [e["exists"] for e in remaining] == [True, True]
+
+    # Ticks not run once: the once-guard's buckets are not the deployment's.
+    app.conf.nats_leader_beat_once = False
+    checked = json.loads(cli(app, "bucket", "--json").stdout)["buckets"]
+    assert [e["kind"] for e in checked] == ["election", "beat_state"]
 
 
 def test_bucket_once_creates_what_the_once_guard_opens(app: Celery, bucket: str) -> None:

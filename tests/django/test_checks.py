@@ -159,9 +159,13 @@ def test_deploy_no_jetstream(settings: Any) -> None:
 def test_deploy_beat_state_bucket(candidates: Candidates, nats_leader: Any, settings: Any) -> None:
     candidates.start("cand-a")  # the election bucket exists, the state bucket not
     settings.CELERY_BEAT_SCHEDULER = "celery_nats_leader.beat:LeaderScheduler"
+    assert sorted(ids(deploy=True)) == ["nats_leader.E011", "nats_leader.W015", "nats_leader.W015"]
     message = only("nats_leader.E011", deploy=True)
     assert "the beat schedule's state" in message.msg
     assert "--history 1`, no TTL" in (message.hint or "")
+    once = [m for m in messages(True) if m.id == "nats_leader.W015"]
+    assert "the once-guard's, which ticks are claimed in" in once[0].msg
+    assert "`manage.py election_bucket --create`" in (once[0].hint or "")
     call_command("election_bucket", "--create", stdout=StringIO())
     assert ids(deploy=True) == []
 

@@ -334,14 +334,23 @@ def test_bucket_beat_state(nats_leader: Any, settings: Any, bucket: str) -> None
     assert error.returncode == 1
     doc = json.loads(out)
     assert doc["ok"] is False
+    # Ticks run once by default: the once-guard's buckets are the deployment's too.
     assert [(b["name"], b["kind"], b["exists"]) for b in doc["buckets"]] == [
         (bucket, "election", False),
         (f"{bucket}_beat", "beat_state", False),
+        (f"{bucket}_once_leases", "once_leases", False),
+        (f"{bucket}_once", "once_done", False),
     ]
     out, _ = run("election_bucket", "--create", "--json")
     doc = json.loads(out)
     assert doc["ok"] is True
-    election, state = doc["buckets"]
+    election, state, leases, done = doc["buckets"]
+    assert (leases["ttl"], leases["created"], done["ttl"], done["created"]) == (
+        30.0,
+        True,
+        86400.0,
+        True,
+    )
     assert (election["ttl"], election["created"]) == (2.0, True)
     assert (state["name"], state["ttl"], state["history"], state["created"]) == (
         f"{bucket}_beat",

@@ -136,8 +136,9 @@ class Command(BaseCommand):
         parser.add_argument(
             "--once",
             action="store_true",
-            help="Work on the once-guard's buckets instead (workers create them on first "
-            "use where they may).",
+            help="Only the once-guard's buckets (<once_bucket>_leases and <once_bucket>). "
+            "Without it, --check and --create include them when CELERY_BEAT_SCHEDULER is a "
+            "leader scheduler and ticks run once (BEAT_ONCE).",
         )
         parser.add_argument(
             "--events-max-age",
@@ -185,6 +186,8 @@ class Command(BaseCommand):
                 replicas=options["replicas"],
                 beat_state=bool(options["beat_state"] or conf.beat_is_elected()),
                 once=bool(options["once"]),
+                # As `celery nats-leader bucket`: see there.
+                once_guard=settings.beat_once and conf.beat_is_elected() and not migrating,
             )
             for target in wanted:
                 validate_bucket(target.name)
