@@ -40,6 +40,7 @@ from celery_nats_leader.core.constants import (
 from celery_nats_leader.core.errors import ElectionError, RecordFormatError, is_transient
 from celery_nats_leader.nats.process_client import ProcessClient
 from celery_nats_leader.term import TermReader
+from celery_nats_leader.term.current import term_of
 from celery_nats_leader.term.token import FencingToken
 from celery_nats_leader.worker.recheck import recheck_later
 from celery_nats_leader.worker.refused import NotRun
@@ -162,12 +163,19 @@ class DispatchFence:
             ElectionError: The term could not be read.
 
         """
-        term = self.reader.read(role, timeout=self.timeout)
+        return self._read_role(role)[0]
+
+    def _read_role(self, role: str) -> tuple[int | None, int]:
+        """``(epoch of the current term or None, revision of the release marker or 0)``."""
+        entry = self.reader.read_latest(role, timeout=self.timeout)
+        term = term_of(entry)
         if term is None:
-            return None
+            # A delete (or the server's expiry marker) at revision R: every
+            # term created below R has ended, whoever released it.
+            return None, entry.revision if entry is not None else 0
         with self._lock:
             self._highest[role] = max(self._highest.get(role, 0), term.epoch)
-        return term.epoch
+        return term.epoch, 0
 
     def dispatched_epoch(self, role: str, entry: str) -> int:
         """The epoch of the term that last dispatched ``entry`` of ``role`` (0: none recorded).
@@ -230,12 +238,19 @@ class DispatchFence:
                 f"dispatched under epoch {epoch}; a newer term ({highest}) began", highest
             )
         try:
-            current = self.current_epoch(role)
+            current, vacated_at = self._read_role(role)
         except ElectionError as exc:
             return unverifiable(f"the current term of {role!r} could not be read: {exc}", exc)
         if current is not None and current > epoch:
             return refused(
                 f"dispatched under epoch {epoch}; the current term is {current}", current
+            )
+        if vacated_at > epoch:
+            # Nobody leads, and the key was vacated after the message's term
+            # began: that term has ended (a paused ex-leader's late send).
+            return refused(
+                f"dispatched under epoch {epoch}; that term has ended (the role was released "
+                f"at revision {vacated_at} and nobody leads it now)"
             )
         if current is None and entry is not None:
             try:

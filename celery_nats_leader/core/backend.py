@@ -101,6 +101,14 @@ class Bucket(Protocol):
         """Return the key's latest value, or ``None`` if absent or deleted."""
         ...
 
+    async def latest(self, key: str, *, timeout: float) -> KVEntry | None:
+        """Return the key's latest entry, a delete or purge marker too (``None``: none).
+
+        A marker's revision says when the key was vacated: a term created
+        below it has ended.
+        """
+        ...
+
     async def watch(self, key: str, callback: WatchCallback) -> Subscription:
         """Call ``callback`` with the key's current entry and every later change.
 
@@ -131,6 +139,8 @@ class BucketInfo:
         storage: ``file`` or ``memory``.
         keys: Messages stored (one per role that holds a value or a delete marker).
         created: Whether the call that returned it created the bucket.
+        description: The stream's description (a TTL change leaves its
+            marks there: :mod:`celery_nats_leader.election.moves`).
 
     """
 
@@ -141,6 +151,7 @@ class BucketInfo:
     storage: str
     keys: int
     created: bool = False
+    description: str = ""
 
     def problems(
         self,
@@ -194,6 +205,7 @@ class BucketInfo:
             "storage": self.storage,
             "keys": self.keys,
             "created": self.created,
+            "description": self.description,
         }
 
 
@@ -256,13 +268,15 @@ class Backend(Protocol):
         replicas: int,
         timeout: float,
         persistent: bool = False,
+        description: str = "",
     ) -> Bucket:
         """Open (and optionally create) a bucket, checking its settings.
 
         ``ttl=None`` opens the bucket whatever its ``max_age`` (readers only).
         ``persistent=True`` (with ``ttl=None``) is for data that must not
         expire, such as the beat schedule's state: the bucket is created
-        without ``max_age`` and refused if it has one.
+        without ``max_age`` and refused if it has one. ``description`` is
+        given to a bucket this call creates (one that exists keeps its own).
 
         Raises:
             BucketNotFoundError: The bucket is missing and ``create`` is false.
@@ -279,6 +293,16 @@ class Backend(Protocol):
 
     async def bucket_info(self, name: str, *, timeout: float) -> BucketInfo:
         """Read a bucket's settings (operator tools; elections never need it).
+
+        Raises:
+            BucketNotFoundError: The bucket does not exist.
+            JetStreamUnavailableError: The server has no JetStream.
+
+        """
+        ...
+
+    async def describe_bucket(self, name: str, description: str, *, timeout: float) -> None:
+        """Set a bucket's description, nothing else (operator tools).
 
         Raises:
             BucketNotFoundError: The bucket does not exist.

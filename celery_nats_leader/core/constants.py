@@ -81,6 +81,11 @@ ANNOUNCED_SUCCESSORS = 3
 #: keeps the follower no earlier than the server could be (docs/design.md).
 FOLLOWER_EXPIRY_MARGIN_SECONDS = 0.01
 
+#: During a TTL change, how often a replica on the new bucket reads the old
+#: bucket's key while a term of the role is held there (at most; the
+#: heartbeat interval if shorter): a released old term is followed within it.
+MOVE_POLL_SECONDS = 0.25
+
 #: Consecutive health-check failures that make a leader resign.
 DEFAULT_HEALTH_CHECK_FAILURES = 3
 

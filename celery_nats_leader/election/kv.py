@@ -17,6 +17,9 @@
   backing the watch up with a periodic read.
 * Release: on stop or resign, run the demote callbacks, then delete the key
   at our revision (never a successor's record).
+* A TTL change (a new bucket): a won create is checked against the bucket's
+  "moved" mark before the term is used, and a replica on the new bucket waits
+  for the old bucket's term of the role to end (:mod:`.moves`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import uuid
 from collections import deque
 from typing import Any
@@ -46,6 +50,7 @@ from celery_nats_leader.core.errors import (
 )
 from celery_nats_leader.election.base import BaseElection
 from celery_nats_leader.election.follower_view import FollowerView
+from celery_nats_leader.election.moves import BucketMarks
 from celery_nats_leader.election.roster import Roster
 from celery_nats_leader.election.vocabulary import DemoteReason, ElectionState, control_subject
 from celery_nats_leader.term import read_term
@@ -108,6 +113,13 @@ class KvElection(BaseElection):
             expiry=c.ROSTER_EXPIRY_HEARTBEATS * self.config.heartbeat_interval,
         )
         self._next_announce_at = 0.0
+        # A TTL change (election/moves.py): the bucket this one was moved to
+        # (then we never start a term again), and the one it was migrated
+        # from, whose term of the role we wait out before campaigning.
+        self._moved_to: str | None = None
+        self._migrated_from: str | None = None
+        self._old_bucket: Bucket | None = None
+        self._waiting_for_old_term = False
         # Set while the connection is down; the roster starts afresh once it is back.
         self._connection_lost = False
         self._hello_due = False
@@ -173,6 +185,10 @@ class KvElection(BaseElection):
             replicas=cfg.bucket_replicas,
             timeout=max(cfg.request_timeout, 2.0),
         )
+        marks = await self._marks(cfg.bucket)
+        self._migrated_from = marks.migrated_from
+        if await self._move_is_live(marks):
+            self._stop_campaigning(marks.moved_to)
         self._callbacks.start()
         self._subscriptions.append(
             await backend.subscribe(
@@ -516,11 +532,16 @@ class KvElection(BaseElection):
         ):
             await self._clear_leftover(self._leader)
             return
-        if self._view.present and self._leader is not None:
+        if self._view.present and self._leader is not None and self._moved_to is None:
             await self._maybe_take_over(self._leader.id, self._leader.priority, now)
         campaign_at = max(self._view.campaign_at, self._sit_out_until)
+        if self._moved_to is not None:
+            campaign_at = math.inf  # the role's terms are the new bucket's now
         resync_at = self._last_read_at + cfg.resync_interval
         if now >= campaign_at:
+            if await self._old_bucket_holds_the_role():
+                self._view.retry_at(now + min(c.MOVE_POLL_SECONDS, cfg.heartbeat_interval))
+                return
             await self._campaign()
             return
         if now >= self._next_announce_at:
@@ -596,7 +617,9 @@ class KvElection(BaseElection):
             entry = await self._read_quietly()
             record = self._decode(entry) if entry is not None else None
             if entry is not None and record is not None and record.token == token_value:
-                self._win(FencingToken(record.epoch, token_value), entry.revision, send)
+                await self._win_unless_moved(
+                    FencingToken(record.epoch, token_value), entry.revision, send
+                )
                 return
             # Not ours (yet): should it land later, it is a leftover under a
             # token we remember (see _clear_leftover), never a term of ours,
@@ -639,7 +662,128 @@ class KvElection(BaseElection):
                 self._decided.set()
             return
         self._observer.campaign(self.role, self.instance_id, True)
-        self._win(FencingToken(revision, token_value), revision, send)
+        await self._win_unless_moved(FencingToken(revision, token_value), revision, send)
+
+    # ------------------------------------------------------- a TTL change
+
+    async def _marks(self, bucket: str) -> BucketMarks:
+        """The marks a TTL change left on ``bucket`` (election/moves.py)."""
+        assert self._backend is not None
+        timeout = max(self.config.request_timeout, 2.0)
+        info = await self._backend.bucket_info(bucket, timeout=timeout)
+        return BucketMarks.parse(info.description)
+
+    async def _move_is_live(self, marks: BucketMarks) -> bool:
+        """Whether ``marks`` say our bucket was moved, to a bucket that says so too.
+
+        Deleting the new bucket undoes a move (a roll given up). A new
+        bucket we may not look at, or cannot now, counts as live: the mark
+        alone must keep us from leading.
+        """
+        if marks.moved_to is None:
+            return False
+        try:
+            target = await self._marks(marks.moved_to)
+        except BucketNotFoundError:
+            return False
+        except ElectionError:
+            return True
+        return target.migrated_from == self.config.bucket
+
+    def _stop_campaigning(self, moved_to: str | None) -> None:
+        if self._decided is not None:
+            self._decided.set()  # start() returns: we follow, for good
+        if self._moved_to is not None:
+            return
+        self._moved_to = moved_to
+        logger.warning(
+            "%s: KV bucket %r was moved to %r (a TTL change): this replica will not lead %r "
+            "again; restart it with the new bucket and TTL",
+            self.role,
+            self.config.bucket,
+            moved_to,
+            self.role,
+        )
+
+    async def _win_unless_moved(self, token: FencingToken, revision: int, send: float) -> None:
+        """Lead with the term just created, unless our bucket was moved meanwhile.
+
+        The one check a TTL change needs on the old bucket (election/moves.py):
+        after our create, before anything acts on the term. A mark that
+        cannot be read now counts as a move: the key is given back and the
+        campaign tried again later.
+        """
+        try:
+            moved = await self._move_is_live(await self._marks(self.config.bucket))
+        except PERMANENT_ERRORS:
+            raise
+        except ElectionError as exc:
+            logger.warning(
+                "%s: won a campaign but could not read the bucket's marks (%s); giving the "
+                "key back and campaigning again",
+                self.role,
+                exc,
+            )
+            await self._give_back(token, revision)
+            self._retry_later()
+            return
+        if moved:
+            marks = await self._marks(self.config.bucket)
+            self._stop_campaigning(marks.moved_to)
+            await self._give_back(token, revision)
+            return
+        self._win(token, revision, send)
+
+    async def _give_back(self, token: FencingToken, revision: int) -> None:
+        """Delete a key we created but will not lead with (it would expire anyway)."""
+        assert self._bucket is not None
+        self._set_state(ElectionState.FOLLOWER)
+        try:
+            await self._bucket.delete(self.role, last=revision, timeout=self.config.request_timeout)
+        except ElectionError as exc:
+            logger.debug("%s: left the unused key to expire: %s", self.role, exc)
+
+    async def _old_bucket_holds_the_role(self) -> bool:
+        """On a migrated bucket: whether the old bucket still has a term of the role.
+
+        Until it is seen without one, we do not campaign (election/moves.py);
+        after that, never again. A missing old bucket (deleted after the
+        roll) holds nothing.
+        """
+        if self._migrated_from is None:
+            return False
+        assert self._backend is not None
+        cfg = self.config
+        try:
+            if self._old_bucket is None:
+                self._old_bucket = await self._backend.open_bucket(
+                    self._migrated_from,
+                    ttl=None,
+                    create=False,
+                    replicas=1,
+                    timeout=max(cfg.request_timeout, 2.0),
+                )
+            entry = await self._old_bucket.get(self.role, timeout=cfg.request_timeout)
+        except BucketNotFoundError:
+            entry = None
+        except ElectionError as exc:
+            logger.debug("%s: could not read the old bucket: %s", self.role, exc)
+            return True
+        if entry is not None:
+            if self._decided is not None:
+                self._decided.set()  # start() returns: we follow until it ends
+            if not self._waiting_for_old_term:
+                self._waiting_for_old_term = True
+                logger.info(
+                    "%s: waiting for the term of %r on the old bucket %r to end (a TTL change)",
+                    self.role,
+                    self.role,
+                    self._migrated_from,
+                )
+            return True
+        self._migrated_from = None
+        self._old_bucket = None
+        return False
 
     def _retry_later(self) -> None:
         delay = self._backoff.failure()

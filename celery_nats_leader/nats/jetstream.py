@@ -225,7 +225,7 @@ class JetStreamBucket:
         # Something is stored under the key: a live value, or a delete marker
         # left by a graceful release. Only the latter may be overwritten, and
         # only at exactly that revision, so the create stays atomic.
-        current = await self._latest(key, timeout=timeout)
+        current = await self.latest(key, timeout=timeout)
         if current is not None and current.operation is Operation.PUT:
             raise KeyExistsError(f"{key!r} is held at revision {current.revision}")
         last = 0 if current is None else current.revision
@@ -271,12 +271,13 @@ class JetStreamBucket:
 
     async def get(self, key: str, *, timeout: float) -> KVEntry | None:
         """Return the key's latest value, or ``None`` if absent or deleted."""
-        entry = await self._latest(key, timeout=timeout)
+        entry = await self.latest(key, timeout=timeout)
         if entry is None or entry.operation is not Operation.PUT:
             return None
         return entry
 
-    async def _latest(self, key: str, *, timeout: float) -> KVEntry | None:
+    async def latest(self, key: str, *, timeout: float) -> KVEntry | None:
+        """Return the key's latest entry, a delete or purge marker too."""
         subject = self._prefix + key
         try:
             msg = await self._backend.call(
@@ -313,7 +314,7 @@ class JetStreamBucket:
             # The shared watch may have started long ago: hand over the
             # current entry ourselves, after registering so nothing is missed
             # (the election ignores entries older than one it has seen).
-            current = await self._latest(key, timeout=self._backend.js_timeout)
+            current = await self.latest(key, timeout=self._backend.js_timeout)
         except BaseException:
             await unregister()
             raise
@@ -692,6 +693,7 @@ class JetStreamBackend:
         replicas: int,
         timeout: float,
         persistent: bool = False,
+        description: str = "",
     ) -> JetStreamBucket:
         """Open (and optionally create) a bucket, checking its ``max_age``.
 
@@ -709,7 +711,11 @@ class JetStreamBackend:
             elif not create or ttl is None:
                 raise BucketNotFoundError(_bucket_missing_message(name, ttl or 10.0)) from exc
             kv = await self._create_bucket(
-                name, ttl=None if persistent else ttl, replicas=replicas, timeout=timeout
+                name,
+                ttl=None if persistent else ttl,
+                replicas=replicas,
+                timeout=timeout,
+                description=description,
             )
         except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
             raise _jetstream_refusal(exc) from exc
@@ -760,7 +766,7 @@ class JetStreamBackend:
         )
 
     async def _create_bucket(
-        self, name: str, *, ttl: float | None, replicas: int, timeout: float
+        self, name: str, *, ttl: float | None, replicas: int, timeout: float, description: str
     ) -> Any:
         options: dict[str, Any] = {}
         if ttl and self.expiry_markers_available():
@@ -768,6 +774,8 @@ class JetStreamBackend:
             # purge instead of the key silently vanishing; the marker itself
             # is kept one TTL.
             options["limit_marker_ttl"] = ttl
+        if description:
+            options["description"] = description
         config = KeyValueConfig(
             bucket=name, history=1, ttl=ttl, replicas=replicas, storage=StorageType.FILE, **options
         )
@@ -819,7 +827,23 @@ class JetStreamBackend:
             replicas=int(config.num_replicas or 1),
             storage=str(storage),
             keys=int(state.messages or 0),
+            description=str(config.description or ""),
         )
+
+    async def describe_bucket(self, name: str, description: str, *, timeout: float) -> None:
+        """Set the bucket's stream description (an in-place stream update).
+
+        Raises:
+            BucketNotFoundError: The bucket does not exist.
+            JetStreamUnavailableError: The server has no JetStream.
+            BackendError: Any other failure.
+
+        """
+        async with self._stream_api(name, timeout):
+            info = await asyncio.wait_for(self.js.stream_info(f"KV_{name}"), timeout)
+            config = info.config
+            config.description = description or None
+            await asyncio.wait_for(self.js.update_stream(config), timeout)
 
     async def delete_bucket(self, name: str, *, timeout: float) -> bool:
         """Delete a bucket's stream; ``False`` when there was none.

@@ -47,6 +47,7 @@ class _Stored:
 @dataclass
 class _MemoryBucketState:
     ttl: float
+    description: str = ""
     keys: dict[str, _Stored] = field(default_factory=dict)
     watchers: list[tuple[str, WatchCallback]] = field(default_factory=list)
 
@@ -184,6 +185,12 @@ class MemoryBucket:
             return None
         return current.entry
 
+    async def latest(self, key: str, *, timeout: float) -> KVEntry | None:
+        """Return the latest entry, a delete marker too, or ``None``."""
+        state = await self._io(timeout)
+        current = state.keys.get(key)
+        return current.entry if current is not None else None
+
     async def watch(self, key: str, callback: WatchCallback) -> _MemorySubscription:
         """Deliver the current entry, then every change."""
         state = await self._io()
@@ -263,6 +270,7 @@ class MemoryBackend:
         replicas: int,
         timeout: float,
         persistent: bool = False,
+        description: str = "",
     ) -> MemoryBucket:
         """Open or create a bucket, checking its ``max_age`` (none when ``persistent``)."""
         self.require_connected()
@@ -271,7 +279,7 @@ class MemoryBackend:
             if not create or (ttl is None and not persistent):
                 raise BucketNotFoundError(f"KV bucket {name!r} does not exist")
             state = self.server.buckets[name] = _MemoryBucketState(
-                ttl=0.0 if persistent or ttl is None else ttl
+                ttl=0.0 if persistent or ttl is None else ttl, description=description
             )
         if persistent:
             if state.ttl:
@@ -291,8 +299,22 @@ class MemoryBackend:
             raise BucketNotFoundError(f"KV bucket {name!r} does not exist")
         self.server.expire(state)
         return BucketInfo(
-            name=name, ttl=state.ttl, history=1, replicas=1, storage="memory", keys=len(state.keys)
+            name=name,
+            ttl=state.ttl,
+            history=1,
+            replicas=1,
+            storage="memory",
+            keys=len(state.keys),
+            description=state.description,
         )
+
+    async def describe_bucket(self, name: str, description: str, *, timeout: float) -> None:
+        """Set the bucket's description."""
+        self.require_connected()
+        state = self.server.buckets.get(name)
+        if state is None:
+            raise BucketNotFoundError(f"KV bucket {name!r} does not exist")
+        state.description = description
 
     async def delete_bucket(self, name: str, *, timeout: float) -> bool:
         """Drop the bucket; ``False`` when there was none."""

@@ -269,7 +269,7 @@ class ProcessClient:
 
         async def read() -> KVEntry | None:
             opened = await self.bucket(bucket, timeout=timeout)
-            return await opened.get(key, timeout=timeout)
+            return await opened.latest(key, timeout=timeout)
 
         return self.run(read(), timeout + 1.0, what=what)
 

@@ -22,6 +22,7 @@ from celery_nats_leader.core.errors import (
     ElectionError,
     JetStreamUnavailableError,
 )
+from celery_nats_leader.election.moves import BucketMarks
 from celery_nats_leader.ops.events import StreamInfo, ensure_events_stream, stream_info
 from celery_nats_leader.ops.oneshot import operator_name, with_backend
 from celery_nats_leader.term.token import ALLCALL_EPOCH_FLOOR
@@ -48,11 +49,13 @@ async def ensure_bucket(
     replicas: int,
     timeout: float = 5.0,
     persistent: bool = False,
+    description: str = "",
 ) -> BucketInfo:
     """Create the bucket (``history=1``, ``max_age=ttl``) unless it exists.
 
     An existing bucket is left as it is (see :meth:`BucketInfo.problems`).
-    With ``persistent`` (the beat schedule's state) it gets no ``max_age``.
+    With ``persistent`` (the beat schedule's state) it gets no ``max_age``;
+    a bucket created here gets ``description``.
 
     Returns:
         Its settings, with ``created`` telling whether this call made it.
@@ -74,6 +77,7 @@ async def ensure_bucket(
         replicas=replicas,
         timeout=timeout,
         persistent=persistent,
+        description=description,
     )
     logger.info(
         "created KV bucket %r (max_age=%s, history=1, replicas=%d)",
@@ -417,15 +421,26 @@ async def migrate_bucket(
             f"epoch floor {floor} reaches the ALLCALL strategy's epochs "
             f"({ALLCALL_EPOCH_FLOOR}): use a lower --epoch-floor"
         )
-    [outcome] = await apply_to_buckets(backend, [target], "create", timeout=timeout)
-    held = outcome.info.keys if outcome.info is not None else 0
-    if held:
-        raise ConfigError(
-            f"KV bucket {target.name!r} already holds {held} entries: candidates "
-            "use it, so its epochs cannot be moved up any more. Stop them, delete the bucket "
-            "and run this again before any replica uses the new bucket"
-        )
-    next_revision = await backend.raise_next_revision(target.name, floor, timeout=timeout)
+    try:
+        existing: BucketInfo | None = await backend.bucket_info(target.name, timeout=timeout)
+    except BucketNotFoundError:
+        existing = None
+    if existing is not None:
+        _refuse_used(target, existing.keys)
+    # The marks that make the two buckets one election while the replicas
+    # roll over (election/moves.py): the old bucket first, so that no
+    # replica ever sees the new bucket without the old one marked.
+    restore = None
+    if source is not None:
+        restore = await _mark(backend, source, moved_to=target.name, timeout=timeout)
+    try:
+        outcome = await _create_migrated(backend, target, existing, source, timeout=timeout)
+        _refuse_used(target, outcome.info.keys if outcome.info is not None else 0)
+        next_revision = await backend.raise_next_revision(target.name, floor, timeout=timeout)
+    except BaseException:
+        if source is not None and restore is not None:
+            await backend.describe_bucket(source, restore, timeout=timeout)
+        raise
     logger.info(
         "KV bucket %r: next epoch %d (floor %d%s)",
         target.name,
@@ -434,6 +449,91 @@ async def migrate_bucket(
         f", carried from {source!r}" if source else "",
     )
     return outcome, EpochFloor(target.name, floor, source, next_revision)
+
+
+def _refuse_used(target: BucketTarget, held: int) -> None:
+    if held:
+        raise ConfigError(
+            f"KV bucket {target.name!r} already holds {held} entries: candidates "
+            "use it, so its epochs cannot be moved up any more. Stop them, delete the bucket "
+            "and run this again before any replica uses the new bucket"
+        )
+
+
+async def _mark(backend: Backend, bucket: str, *, moved_to: str, timeout: float) -> str:
+    """Mark ``bucket`` moved to ``moved_to``; return its description before."""
+    before = (await backend.bucket_info(bucket, timeout=timeout)).description
+    marks = dataclasses.replace(BucketMarks.parse(before), moved_to=moved_to)
+    await backend.describe_bucket(bucket, marks.describe(), timeout=timeout)
+    return before
+
+
+async def _create_migrated(
+    backend: Backend,
+    target: BucketTarget,
+    existing: BucketInfo | None,
+    source: str | None,
+    *,
+    timeout: float,
+) -> BucketOutcome:
+    """Create the new bucket marked as migrated from ``source`` (or mark the empty one)."""
+    description = BucketMarks(migrated_from=source).describe() if source else ""
+    if existing is None:
+        info = await ensure_bucket(
+            backend,
+            target.name,
+            ttl=target.ttl,
+            replicas=target.replicas,
+            timeout=timeout,
+            description=description,
+        )
+    else:
+        if description:
+            await backend.describe_bucket(target.name, description, timeout=timeout)
+        info = await backend.bucket_info(target.name, timeout=timeout)
+    return BucketOutcome(target, info, target.problems(info))
+
+
+async def check_carried_buckets(
+    backend: Backend, settings: LeaderSettings, source: str, *, timeout: float
+) -> None:
+    """Refuse a TTL change whose settings would leave beat's state and the once-guard behind.
+
+    Their default names follow the election bucket's (``<bucket>_beat``,
+    ``<bucket>_once``): with a new bucket name they would start empty, and
+    beat would skip or repeat the ticks around the cut-over (tick ids are
+    derived from the state bucket's name too).
+
+    Raises:
+        ConfigError: Saying which settings to pin to the old names.
+
+    """
+    keep = []
+    for setting, what, current, old in (
+        (
+            "beat_state_bucket",
+            "beat's schedule state",
+            settings.beat_state_bucket,
+            f"{source}_beat",
+        ),
+        ("once_bucket", "the once-guard's records", settings.once_bucket, f"{source}_once"),
+    ):
+        if current == old:
+            continue
+        try:
+            await backend.bucket_info(old, timeout=timeout)
+        except BucketNotFoundError:
+            continue
+        keep.append((setting, f"{what} in {current!r} (the replicas use {old!r})", old))
+    if keep:
+        pins = "; ".join(f"nats_leader_{name} = {old!r}" for name, _, old in keep)
+        django = " / ".join(f"NATS_LEADER[{name.upper()!r}]" for name, _, _ in keep)
+        moved = " and ".join(what for _, what, _ in keep)
+        raise ConfigError(
+            f"the new settings would start from empty buckets: {moved}; ticks around the "
+            f"cut-over would be skipped or run twice. Keep the old ones: set {pins} "
+            f"(Django: {django}) in the new settings, then run this again"
+        )
 
 
 def floor_lines(floor: EpochFloor) -> list[tuple[str, str]]:
@@ -492,6 +592,7 @@ async def set_up_buckets(
     *,
     migrate_from: str | None = None,
     epoch_floor: int | None = None,
+    settings: LeaderSettings | None = None,
     timeout: float,
 ) -> tuple[list[BucketOutcome], EpochFloor | None]:
     """What the ``bucket`` commands do to the buckets: apply ``action``, or migrate.
@@ -507,6 +608,9 @@ async def set_up_buckets(
         action: ``check``, ``create`` or ``delete``.
         migrate_from: The bucket whose epochs the new one continues above.
         epoch_floor: The lowest epoch the new bucket's first term may get.
+        settings: The new settings, to check with ``migrate_from`` that beat's
+            state and the once-guard stay in their buckets
+            (:func:`check_carried_buckets`).
         timeout: Seconds per operation.
 
     Returns:
@@ -515,6 +619,8 @@ async def set_up_buckets(
     """
     if migrate_from is None and epoch_floor is None:
         return await apply_to_buckets(backend, targets, action, timeout=timeout), None
+    if migrate_from is not None and settings is not None:
+        await check_carried_buckets(backend, settings, migrate_from, timeout=timeout)
     first, floor = await migrate_bucket(
         backend, targets[0], source=migrate_from, floor=epoch_floor or 0, timeout=timeout
     )

@@ -369,6 +369,7 @@ def bucket(
             action,
             migrate_from=migrate_from,
             epoch_floor=epoch_floor,
+            settings=settings,
             timeout=timeout,
         )
         stream = None

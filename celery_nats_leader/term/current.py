@@ -123,11 +123,22 @@ class TermReader:
                 missing, no answer in time).
 
         """
+        return term_of(self.read_latest(role, timeout=timeout))
+
+    def read_latest(self, role: str, *, timeout: float) -> KVEntry | None:
+        """Read ``role``'s key as it is: a term's record, or the marker of its release.
+
+        Returns:
+            The latest entry (a delete or purge marker too), or ``None`` when
+            the key holds nothing (never written, or expired without a marker).
+
+        Raises:
+            ElectionError: The key could not be read.
+
+        """
         client = ProcessClient.for_connection(self.connection)
-        return term_of(
-            client.read_key(
-                self.bucket_name, role, timeout=timeout, what=f"could not read the term of {role!r}"
-            )
+        return client.read_key(
+            self.bucket_name, role, timeout=timeout, what=f"could not read the term of {role!r}"
         )
 
     def holds(

@@ -185,11 +185,20 @@ def test_bucket_migrate_from_changes_the_ttl_keeping_epochs_up(
     assert floor > term.epoch
     assert lines[-1] == "  its terms' epochs continue above every earlier one"
 
-    # The first term on the new bucket gets the floor as its epoch.
+    # The roll: a replica on the new bucket waits while the old bucket's
+    # leader leads; the old follower, once that leader is gone, does not
+    # start a term on the moved bucket; the first term on the new bucket
+    # gets the floor as its epoch.
     with Elector(app.conf.nats_leader_servers[0], name="test-new") as elector:
         handle = elector.add_role(ElectionConfig(role="default", bucket=new, ttl=5.0))
+        assert not handle.wait_for_leadership(1.0)
+        old_leader = next(e for e in two.values() if e.role("default").is_leader)
+        follower = next(e for e in two.values() if e is not old_leader)
+        old_leader.stop()  # releases its key
         assert handle.wait_for_leadership(5) and handle.token is not None
         assert handle.token.epoch == floor
+        assert not follower.role("default").is_leader
+        assert follower.role("default").state.value == "follower"
 
     # Run again once a candidate used the new bucket: refused, nothing changed.
     again = cli(app, "bucket", "--bucket", new, "--ttl", "5", "--migrate-from", bucket)

@@ -78,35 +78,48 @@ def test_terms_on_the_migrated_bucket_pass_the_fence_and_old_ones_do_not(
     finally:
         plain.stop()
 
-    # The TTL change: the new bucket (TTL 3 s) carries the old one's epochs.
-    new_bucket = f"{bucket}_3s"
-    body = json.loads(
-        run(
-            "election_bucket",
-            "--bucket",
-            new_bucket,
-            "--ttl",
-            "3",
-            "--migrate-from",
-            bucket,
-            "--json",
-        )
-    )
-    assert body["ok"] is True
-    [info] = body["buckets"]
-    assert (info["name"], info["ttl"], info["created"], info["keys"]) == (new_bucket, 3.0, True, 0)
-    carried = body["epoch_floor"]
-    assert carried["source"] == bucket
-    assert carried["next_revision"] == carried["floor"] > highest
-
-    # While the replicas roll over, both buckets have a leader: the old
-    # bucket's terms stay below the new one's (the headroom), so once the new
-    # leader wrote, the fence refuses the old leader's writes.
+    # A replica on the old bucket leads while the TTL change begins.
     old = Candidates(url=nats_server.url, bucket=bucket, ttl=2.0)
-    new = Candidates(url=nats_server.url, bucket=new_bucket, ttl=3.0)
+    new = Candidates(url=nats_server.url, bucket=f"{bucket}_3s", ttl=3.0)
     try:
         rolling = lead(old, "old-c")
-        token = lead(new, "new-a")
+
+        # The TTL change: the new bucket (TTL 3 s) carries the old one's epochs.
+        new_bucket = f"{bucket}_3s"
+        body = json.loads(
+            run(
+                "election_bucket",
+                "--bucket",
+                new_bucket,
+                "--ttl",
+                "3",
+                "--migrate-from",
+                bucket,
+                "--json",
+            )
+        )
+        assert body["ok"] is True
+        [info] = body["buckets"]
+        assert (info["name"], info["ttl"], info["created"], info["keys"]) == (
+            new_bucket,
+            3.0,
+            True,
+            0,
+        )
+        carried = body["epoch_floor"]
+        assert carried["source"] == bucket
+        assert carried["next_revision"] == carried["floor"] > rolling.epoch
+
+        # While the replicas roll over, the role has one leader: the new
+        # bucket's replica waits for the old bucket's term to end.
+        new.start("new-a")
+        handle = new.handle("new-a")
+        assert not handle.wait_for_leadership(1.0)
+        write(alias, rolling, "old-c")  # still the leader, still accepted
+        old.stop()  # the roll replaces it: released, the new replica leads at once
+        assert handle.wait_for_leadership(5)
+        token = handle.token
+        assert token is not None
         assert rolling.epoch < token.epoch == carried["next_revision"]
         write(alias, token, "new-a")  # the fence accepts the new bucket's term
         for refused, writer in ((rolling, "old-c"), (stale, "old-b")):
@@ -117,7 +130,7 @@ def test_terms_on_the_migrated_bucket_pass_the_fence_and_old_ones_do_not(
         new.stop()
     assert current_epoch(ROLE, using=alias) == token.epoch
     writers = Write.objects.using(alias).filter(role=ROLE).order_by("id")
-    assert list(writers.values_list("writer", flat=True)) == ["old-a", "old-b", "new-a"]
+    assert list(writers.values_list("writer", flat=True)) == ["old-a", "old-b", "old-c", "new-a"]
 
 
 @pytest.mark.django_db

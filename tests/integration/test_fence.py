@@ -357,10 +357,12 @@ async def test_beat_messages_of_an_ended_term_are_refused_with_nobody_leading(
 ) -> None:
     """The workers' dispatch fence while the role is vacant (its key deleted or fenced).
 
-    A term that ended with no newer one since (its leader resigned) is not
-    refused: its queued ticks still run. A newer term that began and ended
-    since is known from the entry's schedule state (it dispatched the entry)
-    or from a fence marker, even by a worker process that never saw it lead.
+    A term whose key was deleted since (its leader resigned, a successor
+    released) has ended: the delete's revision is above its epoch. With no
+    marker left (expired: nats-server before 2.11 leaves none), a newer term
+    that began and ended since is known from the entry's schedule state (it
+    dispatched the entry); a fenced term from the fence marker. Each even by
+    a worker process that never saw those terms lead.
     """
     group = slow_group
     state_bucket = f"{fence_bucket}_beat"
@@ -384,17 +386,29 @@ async def test_beat_messages_of_an_ended_term_are_refused_with_nobody_leading(
         await dispatched("nightly", first["epoch"])
         assert (await in_thread(fence.check, ROLE, first["epoch"], "nightly")).ok
 
-        # a resigned (its key deleted), nobody leads: its messages still run.
+        # a resigned (its key deleted), nobody leads: its term has ended, and
+        # a late message of it (a paused scheduler's) is refused.
         await in_thread(group.resign, "a")
+        released = await in_thread(fresh_fence().reader.read_latest, ROLE, timeout=5)
+        assert released is not None and released.revision > first["epoch"]
         vacant = await in_thread(fresh_fence().check, ROLE, first["epoch"], "nightly")
-        assert (vacant.ok, vacant.current_epoch) == (True, None)
+        assert (vacant.ok, vacant.certain, vacant.current_epoch) == (False, True, None)
+        assert vacant.reason == (
+            f"dispatched under epoch {first['epoch']}; that term has ended (the role was "
+            f"released at revision {released.revision} and nobody leads it now)"
+        )
 
-        # b leads, dispatches the entry, resigns: the role is vacant again,
-        # and a's late message (a paused scheduler's) is refused by the state.
+        # b leads, dispatches the entry, resigns, and its delete marker goes
+        # too (as expiry leaves the key on nats-server 2.9 and 2.10): a's
+        # late message is refused by the entry's state.
         group.spawn("b")
         second = await in_thread(group.wait_for, "promoted", {"b"}, timeout=FENCE_TTL + SLACK)
         await dispatched("nightly", second["epoch"])
         await in_thread(group.resign, "b")
+        await operator.jetstream().purge_stream(
+            f"KV_{fence_bucket}", subject=f"$KV.{fence_bucket}.{ROLE}"
+        )
+        assert await in_thread(fresh_fence().reader.read_latest, ROLE, timeout=5) is None
         late = await in_thread(fresh_fence().check, ROLE, first["epoch"], "nightly")
         assert (late.ok, late.certain, late.current_epoch) == (False, True, second["epoch"])
         assert late.reason == (

@@ -69,7 +69,13 @@ def migrate(
     return with_backend(
         settings,
         lambda backend: set_up_buckets(
-            backend, wanted, "create", migrate_from=source, epoch_floor=floor, timeout=timeout
+            backend,
+            wanted,
+            "create",
+            migrate_from=source,
+            epoch_floor=floor,
+            settings=settings,
+            timeout=timeout,
         ),
         timeout=timeout,
         name=operator_name(TOOL),
