@@ -28,6 +28,7 @@ from celery_nats_leader.config import (
     validate_key,
 )
 from celery_nats_leader.config.connection import ConnectOptions
+from celery_nats_leader.config.environment import from_environment
 from celery_nats_leader.core.constants import (
     BEAT_CATCH_UP_EXTRA_SECONDS,
     DEFAULT_METRICS_NAMESPACE,
@@ -385,6 +386,7 @@ class LeaderSettings:
         """
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
+        written: dict[str, str] = {}
         for key, value in values.items():
             name = key.lower()
             if name not in known:
@@ -392,7 +394,14 @@ class LeaderSettings:
                     f"unknown nats_leader setting {key!r}; known: {', '.join(sorted(known))}"
                 )
             kwargs[name] = value
-        return cls(**kwargs)
+            written[name] = key
+        found, sources = from_environment(
+            dataclasses.fields(cls), kwargs, written_as=lambda name: written.get(name, name)
+        )
+        try:
+            return cls(**found, **kwargs)
+        except ConfigError as exc:
+            raise ConfigError(_setting_names(str(exc), sources, "", celery=False)) from None
 
     @classmethod
     def from_celery(cls, conf: Any) -> LeaderSettings:
@@ -427,8 +436,14 @@ class LeaderSettings:
             if message not in _reported:
                 _reported.add(message)
                 logger.warning("nats-leader: %s", message)
+        from_env, sources = from_environment(
+            dataclasses.fields(cls),
+            values,
+            written_as=lambda name: names.get(name, CELERY_PREFIX + name),
+        )
+        names.update(sources)
         try:
-            return cls(**values)
+            return cls(**from_env, **values)
         except ConfigError as exc:
             raise ConfigError(_setting_names(str(exc), names, prefix)) from None
 
@@ -443,9 +458,18 @@ def _celery_namespace(conf: Any) -> str:
     return prefix if isinstance(prefix, str) else ""
 
 
-def _setting_names(message: str, names: Mapping[str, str], prefix: str) -> str:
-    """Rewrite ``field=`` in a validation message as the Celery setting's name."""
+def _setting_names(
+    message: str, names: Mapping[str, str], prefix: str, *, celery: bool = True
+) -> str:
+    """Rewrite ``field=`` in a validation message as the setting's name where it was set.
+
+    ``names`` maps fields to how they were written (a Celery key, an
+    environment variable); other fields are named as Celery settings, or
+    left as they are without ``celery`` (Django's ``NATS_LEADER`` keys).
+    """
     for name in sorted((f.name for f in dataclasses.fields(LeaderSettings)), key=len, reverse=True):
+        if name not in names and not celery:
+            continue
         written = names.get(name) or (
             (prefix + CELERY_PREFIX + name).upper() if prefix else CELERY_PREFIX + name
         )

@@ -1,11 +1,13 @@
 """The deployment files of ``deploy/`` agree with the package they deploy.
 
-* ``deploy/kubernetes/*.yaml`` parse; every ``CELERY_NATS_LEADER_*``
-  variable names a real setting; the probes hit the paths the worker's
-  probe server answers, on the port the metrics setting opens; every
+* ``deploy/kubernetes/*.yaml`` parse; every ``NATS_LEADER_*`` variable
+  names a real setting and the package reads the values as given; the
+  probes hit the paths the worker's probe server answers, on the port the
+  metrics setting opens; every
   ``celery`` command line parses with Celery's own command-line interface
   (options included, the ``nats-leader`` commands too); a preStop hand-over
   fits in the grace period; each PodDisruptionBudget selects its pods.
+  ``test_deploy_rehearsal.py`` runs them.
 * ``deploy/nats/*.conf`` pass ``nats-server -t`` (the server's own syntax
   check) on every server version under test; they are started by
   ``tests/integration/test_deploy_nats.py`` and the cluster harness.
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import subprocess
 import warnings
@@ -29,9 +32,10 @@ from celery_nats_leader.config.settings import LeaderSettings
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 SETTINGS = {f.name for f in dataclasses.fields(LeaderSettings)}
-PREFIX = "CELERY_NATS_LEADER_"
-#: Read by the app's settings module shown in deploy/kubernetes/README.md.
-APP_VARIABLES = {"NATS_USER", "NATS_PASSWORD"}
+PREFIX = "NATS_LEADER_"
+#: The NATS tools' credentials (read by the package) and the broker (read by
+#: the app shown in deploy/kubernetes/README.md).
+APP_VARIABLES = {"NATS_USER", "NATS_PASSWORD", "CELERY_BROKER_URL"}
 
 
 def documents() -> list[tuple[str, dict[str, Any]]]:
@@ -129,17 +133,20 @@ def test_environment_names_real_settings(where: str, container: dict[str, Any]) 
             assert name[len(PREFIX) :].lower() in SETTINGS, f"{where}: {name} is no setting"
         else:
             assert name in APP_VARIABLES, f"{where}: {name}"
-    values = {e["name"]: e.get("value") for e in container["env"]}
-    # The values are what the settings accept.
-    fields = {k[len(PREFIX) :].lower(): v for k, v in values.items() if k.startswith(PREFIX)}
-    LeaderSettings(
-        servers=fields["servers"].split(","),
-        metrics_port=int(fields["metrics_port"]) if "metrics_port" in fields else None,
-        beat_metrics_port=(
-            int(fields["beat_metrics_port"]) if "beat_metrics_port" in fields else None
-        ),
-        required=fields.get("required") == "true",
-    )
+    # The values, as the package reads them from the environment.
+    environ = {e["name"]: e.get("value") or "secret" for e in container["env"]}
+    with pytest.MonkeyPatch.context() as patch:
+        for name in list(os.environ):
+            if name.startswith(PREFIX) or name in APP_VARIABLES or name == "NATS_URL":
+                patch.delenv(name)
+        for name, value in environ.items():
+            patch.setenv(name, value)
+        settings = LeaderSettings.from_celery({})
+    assert len(settings.servers) == 3, where
+    assert settings.connect_options["user"] == environ["NATS_USER"], where
+    if "NATS_LEADER_METRICS_PORT" in environ:
+        assert settings.metrics_port == int(environ["NATS_LEADER_METRICS_PORT"])
+        assert settings.required is True
 
 
 @pytest.mark.parametrize(("where", "container"), containers(), ids=lambda v: str(v)[:40])

@@ -1,0 +1,320 @@
+"""The Kubernetes manifests of ``deploy/kubernetes/``, run as a team would run them.
+
+A three-node NATS cluster from ``deploy/nats/cluster.conf`` with
+``deploy/nats/permissions.conf`` (the include done as text: the harness
+writes each member's file elsewhere), the app ``proj`` as the README there
+shows it, then, in the README's order: the Job's command, two pods of each
+Deployment (their command and their environment, the Secret's values filled
+in), their startup, readiness and liveness probes, ``nats-leader status`` in
+a pod, beat's ticks reaching a worker, and every pod replaced one by one
+through its ``preStop`` hook and SIGTERM, within its grace period, with a
+leader of each role at the end.
+
+What differs from a cluster, and nothing else: the NATS and Redis addresses,
+the Secret's values, and each pod's metrics ports (pods have a network of
+their own; these processes share the host's, so each pod gets free ports and
+the probes and an exec probe's literal ports follow). Each pod has a
+hostname of its own, as in Kubernetes (a UTS namespace: ``unshare``; its
+hooks and exec probes run in it with ``nsenter``): ``nats-leader release``
+hands over the roles of the pod's host.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import yaml
+
+from celery_nats_leader.testing.cluster import NatsCluster
+from celery_nats_leader.testing.ports import free_port
+from tests.support.procs import Proc
+from tests.support.services import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBE = ROOT / "deploy" / "kubernetes"
+NATS = ROOT / "deploy" / "nats"
+#: The Secret ``nats-users``: one password per NATS user.
+SECRET = {"admin": "adm-pw-r", "worker": "wrk-pw-r", "beat": "bt-pw-r", "viewer": "vw-pw-r"}
+#: A Redis database of this test's own (flushed before and after).
+REDIS_URL = "redis://127.0.0.1:6379/11"
+BIN = Path(sys.executable).parent
+APP_BLOCK = re.compile(
+    r"^<!-- test: deploy file=proj/celery.py -->\n```python\n(?P<body>.*?)^```$", re.M | re.S
+)
+
+
+def manifest(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((KUBE / name).read_text()) if d]
+
+
+def workload(name: str, kind: str) -> dict[str, Any]:
+    [found] = [d for d in manifest(name) if d["kind"] == kind]
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
+    conf = tmp_path_factory.mktemp("nats") / "cluster.conf"
+    conf.write_text(
+        (NATS / "cluster.conf").read_text() + "\n" + (NATS / "permissions.conf").read_text()
+    )
+    saved = dict(os.environ)
+    # permissions.conf reads the passwords from the server's environment.
+    os.environ.update({f"{user.upper()}_PASSWORD": pw for user, pw in SECRET.items()})
+    try:
+        with NatsCluster(3, config_file=conf) as made:
+            yield made
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """The app as the README shows it (the image's code)."""
+    match = APP_BLOCK.search((KUBE / "README.md").read_text())
+    assert match, "deploy/kubernetes/README.md shows no proj/celery.py"
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "celery.py").write_text(match.group("body"))
+    (tmp_path / "proj" / "__init__.py").write_text("from proj.celery import app\n")
+    client = redis.Redis.from_url(REDIS_URL)
+    client.flushdb()
+    yield tmp_path
+    client.flushdb()
+
+
+class Pod:
+    """One pod of a workload: its container's command with its environment."""
+
+    def __init__(
+        self, workload: dict[str, Any], index: int, cluster: NatsCluster, project: Path
+    ) -> None:
+        spec = workload["spec"]["template"]["spec"]
+        [self.container] = spec["containers"]
+        self.grace = float(spec.get("terminationGracePeriodSeconds", 30))
+        self.name = f"{workload['metadata']['name']}-{index}"
+        self.project = project
+        #: containerPort -> this pod's port on the host.
+        self.ports = {p["containerPort"]: free_port() for p in self.container.get("ports", [])}
+        self.named = {p["name"]: p["containerPort"] for p in self.container.get("ports", [])}
+        self.env = self._environment(cluster)
+        self.proc: Proc | None = None
+
+    def _environment(self, cluster: NatsCluster) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NATS_")}
+        env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(self.project))
+        for item in self.container.get("env", []):
+            name = item["name"]
+            if "value" in item:
+                value = str(item["value"])
+            else:
+                value = SECRET[item["valueFrom"]["secretKeyRef"]["key"]]
+            if name == "NATS_LEADER_SERVERS":
+                value = ",".join(cluster.urls)
+            elif name == "CELERY_BROKER_URL":
+                value = REDIS_URL
+            elif name.endswith("METRICS_PORT"):
+                value = str(self.ports[int(value)])
+            env[name] = value
+        return env
+
+    def argv(self, command: list[str]) -> list[str]:
+        """A container command as run here (an exec probe's ports follow the pod's)."""
+        text = [str(a) for a in command]
+        for container_port, port in self.ports.items():
+            text = [a.replace(str(container_port), str(port)) for a in text]
+        if text and text[0] == "python":
+            text[0] = sys.executable
+        return text
+
+    def start(self, log_dir: Path) -> Proc:
+        argv = self.argv(self.container["command"] + self.container.get("args", []))
+        # The pod's own hostname; exec keeps the process's pid for nsenter.
+        in_pod = ["unshare", "--uts", "sh", "-c", f'hostname {self.name} && exec "$@"', "sh"]
+        self.proc = Proc(
+            self.name,
+            [*in_pod, *argv],
+            env=self.env,
+            log_path=log_dir / f"{self.name}.log",
+            cwd=self.project,
+        )
+        return self.proc
+
+    def exec(self, command: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """``kubectl exec``: a command in the running pod (its hostname)."""
+        assert self.proc is not None
+        return subprocess.run(
+            ["nsenter", "--target", str(self.proc.pid), "--uts", "--", *self.argv(command)],
+            env=self.env,
+            cwd=self.project,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def http(self, probe: dict[str, Any]) -> int | None:
+        """An httpGet probe's status code (``None``: nothing answers)."""
+        get = probe["httpGet"]
+        port = self.ports[self.named.get(get["port"], get["port"])]
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{port}{get['path']}", timeout=2
+            ) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return None
+
+    def probe_passes(self, kind: str) -> bool:
+        probe = self.container[kind]
+        if "httpGet" in probe:
+            code = self.http(probe)
+            return code is not None and 200 <= code < 400
+        return self.exec(probe["exec"]["command"], timeout=10).returncode == 0
+
+    def wait_started(self) -> None:
+        """The startup probe passes within its budget, then readiness and liveness."""
+        startup = self.container["startupProbe"]
+        budget = startup["periodSeconds"] * startup["failureThreshold"]
+        assert self.proc is not None
+        wait_for(lambda: self.probe_passes("startupProbe"), budget, f"{self.name} started",
+                 lambda: self.proc.log()[-3000:] if self.proc else "")  # fmt: skip
+        wait_for(lambda: self.probe_passes("readinessProbe"), 30, f"{self.name} ready",
+                 lambda: self.proc.log()[-3000:] if self.proc else "")  # fmt: skip
+        # Kubernetes restarts a pod whose liveness probe fails failureThreshold
+        # times in a row, periodSeconds apart: it must pass within that.
+        live = self.container["livenessProbe"]
+        wait_for(lambda: self.probe_passes("livenessProbe"),
+                 live["periodSeconds"] * live["failureThreshold"], f"{self.name} live",
+                 lambda: self.proc.log()[-3000:] if self.proc else "")  # fmt: skip
+
+    def replace(self) -> float:
+        """What a rolling update does to the pod: preStop, then SIGTERM; seconds it took."""
+        assert self.proc is not None
+        began = time.monotonic()
+        hook = self.container["lifecycle"]["preStop"]["exec"]["command"]
+        done = self.exec(hook, timeout=self.grace)
+        assert done.returncode == 0, done.stdout + done.stderr
+        self.proc.terminate()
+        self.proc.wait(self.grace)
+        return time.monotonic() - began
+
+
+def status(pod: Pod) -> subprocess.CompletedProcess[str]:
+    return pod.exec(["celery", "-A", "proj", "nats-leader", "status"])
+
+
+def heartbeats(pods: list[Pod]) -> int:
+    return (
+        sum(p.proc.log().count("Task proj.celery.heartbeat[") for p in pods if p.proc is not None)
+        // 2
+    )  # received + succeeded
+
+
+def run_job(cluster: NatsCluster, project: Path, log_dir: Path) -> str:
+    job = Pod(workload("buckets-job.yaml", "Job"), 0, cluster, project)
+    proc = job.start(log_dir)
+    assert proc.wait(60) == 0, proc.log()
+    return proc.log()
+
+
+def test_worker_and_beat_manifests_come_up_tick_and_roll_over(
+    cluster: NatsCluster, project: Path, tmp_path: Path
+) -> None:
+    created = run_job(cluster, project, tmp_path)
+    for made in (
+        "election bucket 'leaders' created",
+        "beat state bucket 'leaders_beat' created",
+        "once-guard lease bucket 'leaders_once_leases' created",
+        "once-guard done bucket 'leaders_once' created",
+    ):
+        assert made in created, created
+    # Four buckets, each on the three servers (R3), as the Job asks.
+    assert created.count("  replicas       3\n") == 4, created
+
+    workers = [Pod(workload("worker.yaml", "Deployment"), i, cluster, project) for i in range(2)]
+    beats = [Pod(workload("beat.yaml", "Deployment"), i, cluster, project) for i in range(2)]
+    try:
+        for pod in [*workers, *beats]:
+            pod.start(tmp_path)
+        for pod in [*workers, *beats]:
+            pod.wait_started()
+        shown = status(workers[0])
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        assert "reports" in shown.stdout and "beat" in shown.stdout, shown.stdout
+        wait_for(lambda: heartbeats(workers) >= 2, 30, "beat's ticks run on a worker")
+        for pod in workers:
+            assert "once-guard cannot use" not in (pod.proc.log() if pod.proc else "")
+
+        # A rolling update: each pod replaced in turn, its roles handed over.
+        for old in [*workers, *beats]:
+            seconds = old.replace()
+            assert seconds < old.grace, (old.name, seconds)
+            fresh = Pod(
+                workload("worker.yaml" if old in workers else "beat.yaml", "Deployment"),
+                len(workers) + len(beats),
+                cluster,
+                project,
+            )
+            fresh.start(tmp_path)
+            fresh.wait_started()
+            (workers if old in workers else beats).append(fresh)
+        live = [p for p in [*workers, *beats] if p.proc is not None and p.proc.alive]
+        assert len(live) == 4
+        shown = status(live[0])
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        before = heartbeats(workers)
+        wait_for(lambda: heartbeats(workers) >= before + 2, 30, "ticks after the roll")
+    finally:
+        for pod in [*workers, *beats]:
+            if pod.proc is not None and pod.proc.alive:
+                pod.proc.kill()
+
+
+def test_worker_with_embedded_beat_manifest_comes_up(
+    cluster: NatsCluster, project: Path, tmp_path: Path
+) -> None:
+    run_job(cluster, project, tmp_path)
+    pods = [
+        Pod(workload("worker-with-beat.yaml", "Deployment"), i, cluster, project) for i in range(2)
+    ]
+    try:
+        for pod in pods:
+            pod.start(tmp_path)
+        for pod in pods:
+            pod.wait_started()  # the liveness probe asks both ports
+        shown = status(pods[0])
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        wait_for(lambda: heartbeats(pods) >= 2, 30, "the embedded beat's ticks run")
+        seconds = pods[0].replace()
+        assert seconds < pods[0].grace
+        assert status(pods[1]).returncode == 0
+    finally:
+        for pod in pods:
+            if pod.proc is not None and pod.proc.alive:
+                pod.proc.kill()
+
+
+def test_the_readme_app_is_what_the_manifests_run() -> None:
+    # Every container runs `celery -A proj`, the README's app.
+    for name in ("worker.yaml", "beat.yaml", "worker-with-beat.yaml", "buckets-job.yaml"):
+        for doc in manifest(name):
+            if doc["kind"] in ("Deployment", "Job"):
+                [container] = doc["spec"]["template"]["spec"]["containers"]
+                assert shlex.join(container["command"]).startswith("celery -A proj "), name
