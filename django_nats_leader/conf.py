@@ -26,12 +26,15 @@ are Celery-specific refinements. :func:`leader_settings` applies that merge and
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from celery_nats_leader.config.settings import CELERY_PREFIX, LeaderSettings, is_leader_scheduler
 from celery_nats_leader.core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 #: Name of the Django setting holding the dict.
 SETTING_NAME = "NATS_LEADER"
@@ -186,7 +189,38 @@ def configure_celery(app: Any) -> None:
         app: The Celery app.
 
     """
+    if getattr(app, _CONFIGURED, False):
+        return
+    setattr(app, _CONFIGURED, True)
     app.add_defaults(celery_defaults)
+
+
+#: Marks a Celery app :func:`configure_celery` was called on.
+_CONFIGURED = "_nats_leader_django_configured"
+
+
+def configure_forgotten(app: Any) -> bool:
+    """Call :func:`configure_celery` on ``app`` if the project forgot to; say so.
+
+    Connected to Celery's ``worker_init`` and ``beat_init`` by the Django app
+    (:mod:`django_nats_leader.apps`): without it a worker of a project that
+    sets ``NATS_LEADER`` would run with the defaults while ``manage.py`` uses
+    the real values.
+
+    Returns:
+        Whether it had to.
+
+    """
+    if getattr(app, _CONFIGURED, False) or not raw_settings():
+        return False
+    logger.warning(
+        "nats-leader: the Celery app %r was not given NATS_LEADER (configure_celery(app) "
+        "is not called where it is created): applying it now. Add the call after "
+        "config_from_object() so that every process reads the same settings",
+        getattr(app, "main", None) or app,
+    )
+    configure_celery(app)
+    return True
 
 
 __all__ = [
@@ -196,6 +230,7 @@ __all__ = [
     "celery_defaults",
     "celery_overrides",
     "configure_celery",
+    "configure_forgotten",
     "expected_roles",
     "known_keys",
     "leader_settings",

@@ -78,3 +78,30 @@ def test_configure_celery_feeds_nats_leader_to_celery(settings: Any) -> None:
         from_celery.ttl,
         from_celery.priority,
     )
+
+
+def test_a_worker_of_an_app_not_given_nats_leader_gets_it_with_a_warning(
+    settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from celery import signals
+
+    class Started:  # the sender: a worker or a beat service, with its app
+        def __init__(self, app: Celery) -> None:
+            self.app = app
+
+    settings.NATS_LEADER = {"ROLES": ["reports"], "TTL": 6}
+    app = Celery("proj", set_as_current=False)
+    app.config_from_object("django.conf:settings", namespace="CELERY")  # no configure_celery
+    # What `celery worker` and `celery beat` send as they start (the Django
+    # app connected its receiver in ready()).
+    signals.worker_init.send(sender=Started(app))
+    settings_seen = LeaderSettings.from_celery(app.conf)
+    assert (settings_seen.roles, settings_seen.ttl) == (("reports",), 6)
+    assert "was not given NATS_LEADER (configure_celery(app) is not called" in caplog.text
+    # Said once: the app is configured now; an app given it says nothing.
+    caplog.clear()
+    signals.beat_init.send(sender=Started(app))
+    given = Celery("proj2", set_as_current=False)
+    conf.configure_celery(given)
+    signals.worker_init.send(sender=Started(given))
+    assert "was not given NATS_LEADER" not in caplog.text
