@@ -97,7 +97,8 @@ class OnceGuardCheck:
         self.settings = settings
         self.app_name = app_name
         self.report = report or (lambda _ready: None)
-        self.service = service or OnceService.for_settings(settings)
+        # Not for_settings(): the check must not open the process's client.
+        self.service = service or OnceService(settings)
         self.repeat = repeat
         self.ready: bool | None = None
         self.problem: str | None = None

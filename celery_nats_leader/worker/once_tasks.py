@@ -62,7 +62,7 @@ from celery.utils.log import get_task_logger
 from celery_nats_leader.config.settings import LeaderSettings, settings_of_app
 from celery_nats_leader.core.backend import Bucket
 from celery_nats_leader.core.backoff import retry_transient
-from celery_nats_leader.core.errors import ElectionError, is_transient
+from celery_nats_leader.core.errors import BackendTimeoutError, ElectionError, is_transient
 from celery_nats_leader.nats.process_client import ProcessClient
 from celery_nats_leader.recipes.once_guard import Claim, ClaimLostError, OnceGuard, Verdict
 from celery_nats_leader.worker.celery_compat import replaced_task_nesting
@@ -142,32 +142,65 @@ class OnceService:
             what="the once-guard got no answer from NATS",
         )
 
+    def buckets(self) -> list[tuple[str, float]]:
+        """The guard's two buckets and the ``max_age`` each must have: leases, done records."""
+        settings = self.settings
+        return [
+            (f"{settings.once_bucket}_leases", settings.once_lease),
+            (settings.once_bucket, settings.once_retention),
+        ]
+
     def check(self) -> None:
         """Open the guard's two buckets as a claim does (creating them where allowed).
+
+        On a connection of its own, closed after: a worker's main process
+        keeps only its election's connection (a prefork child opens the
+        guard's client when it runs a task).
 
         Raises:
             ElectionError: They cannot be used (missing and not creatable, a
                 permission missing, other settings) or NATS did not answer.
 
         """
+        from celery_nats_leader.nats import open_backend
 
-        async def opened(_guard: OnceGuard) -> None:
-            return None
+        async def opened() -> None:
+            backend = await open_backend(
+                self.settings.connection,
+                timeout=max(self.timeout, 2.0),
+                name=f"celery-nats-leader once-guard check {self.claimant}",
+            )
+            try:
+                for name, ttl in self.buckets():
+                    await backend.open_bucket(
+                        name,
+                        ttl=ttl,
+                        create=True,
+                        replicas=self.settings.bucket_replicas,
+                        timeout=max(self.timeout, 2.0),
+                    )
+            finally:
+                await backend.close()
 
-        # Long enough for each step of opening and creating both buckets to
-        # time out by itself: a refused creation is then said as such
-        # (a permission), not as NATS not answering.
-        self.run(opened, timeout=OPEN_BOUND_SECONDS)
+        async def bounded() -> None:
+            # Long enough for each step of opening and creating both buckets
+            # to time out by itself: a refused creation is then said as such
+            # (a permission), not as NATS not answering.
+            try:
+                await asyncio.wait_for(opened(), OPEN_BOUND_SECONDS)
+            except asyncio.TimeoutError as exc:
+                raise BackendTimeoutError(
+                    f"the once-guard's buckets: no answer from NATS in {OPEN_BOUND_SECONDS:g}s"
+                ) from exc
+
+        asyncio.run(bounded())
 
     async def _open(self, client: ProcessClient) -> OnceGuard:
         # The buckets are opened once per connection (the client keeps
         # them); a failure is tried again by the next call.
         settings = self.settings
         opened: list[Bucket] = []
-        for name, ttl in (
-            (f"{settings.once_bucket}_leases", settings.once_lease),
-            (settings.once_bucket, settings.once_retention),
-        ):
+        for name, ttl in self.buckets():
             opened.append(
                 await client.bucket(
                     name,
