@@ -163,10 +163,19 @@ class DispatchFence:
             ElectionError: The term could not be read.
 
         """
-        return self._read_role(role)[0]
+        return self.read_role(role)[0]
 
-    def _read_role(self, role: str) -> tuple[int | None, int]:
-        """``(epoch of the current term or None, revision of the release marker or 0)``."""
+    def read_role(self, role: str) -> tuple[int | None, int]:
+        """``role``'s key as the check reads it: ``(current epoch, vacated at)``.
+
+        Returns:
+            The epoch of the current term (``None``: nobody leads), and the
+            revision of the marker that vacated the key (0: none, or a term).
+
+        Raises:
+            ElectionError: The key could not be read.
+
+        """
         entry = self.reader.read_latest(role, timeout=self.timeout)
         term = term_of(entry)
         if term is None:
@@ -238,7 +247,7 @@ class DispatchFence:
                 f"dispatched under epoch {epoch}; a newer term ({highest}) began", highest
             )
         try:
-            current, vacated_at = self._read_role(role)
+            current, vacated_at = self.read_role(role)
         except ElectionError as exc:
             return unverifiable(f"the current term of {role!r} could not be read: {exc}", exc)
         if current is not None and current > epoch:

@@ -126,6 +126,11 @@ class Bucket(Protocol):
         """Return the bucket's ``max_age`` in seconds."""
         ...
 
+    @property
+    def description(self) -> str:
+        """The bucket's description as last read (opening it with a ``ttl`` reads it)."""
+        ...
+
 
 @dataclass(frozen=True)
 class BucketInfo:

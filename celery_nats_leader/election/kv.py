@@ -185,7 +185,8 @@ class KvElection(BaseElection):
             replicas=cfg.bucket_replicas,
             timeout=max(cfg.request_timeout, 2.0),
         )
-        marks = await self._marks(cfg.bucket)
+        # Read with the bucket's max_age when it was opened: no extra request.
+        marks = BucketMarks.parse(self._bucket.description)
         self._migrated_from = marks.migrated_from
         if await self._move_is_live(marks):
             self._stop_campaigning(marks.moved_to)

@@ -198,6 +198,8 @@ class JetStreamBucket:
 
     def __init__(self, backend: JetStreamBackend, name: str, kv: KeyValue) -> None:
         self.name = name
+        #: The stream's description as :meth:`ttl` last read it.
+        self.description = ""
         self._backend = backend
         self._kv = kv
         self._stream = f"KV_{name}"
@@ -403,8 +405,10 @@ class JetStreamBucket:
         return not info.num_pending and not info.delivered.consumer_seq
 
     async def ttl(self, *, timeout: float) -> float:
-        """Return the bucket's ``max_age`` in seconds."""
+        """Return the bucket's ``max_age`` in seconds (and note its description)."""
         status = await self._backend.call(self._kv.status(), timeout=timeout, bucket=self.name)
+        config = getattr(getattr(status, "stream_info", None), "config", None)
+        self.description = str(getattr(config, "description", None) or "")
         return float(status.ttl or 0.0)
 
 

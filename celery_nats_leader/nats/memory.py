@@ -114,6 +114,12 @@ class MemoryBucket:
         self._backend = backend
 
     @property
+    def description(self) -> str:
+        """The bucket's description."""
+        state = self._backend.server.buckets.get(self.name)
+        return state.description if state is not None else ""
+
+    @property
     def _state(self) -> _MemoryBucketState:
         try:
             return self._backend.server.buckets[self.name]

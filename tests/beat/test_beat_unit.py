@@ -803,7 +803,7 @@ def test_the_dispatch_fence_says_when_an_unreadable_term_needs_an_operator(
     from celery_nats_leader.config.connection import ConnectOptions
 
     class Unreadable(DispatchFence):
-        def current_epoch(self, role: str) -> int | None:
+        def read_role(self, role: str) -> tuple[int | None, int]:
             raise error
 
     fence = Unreadable(ConnectOptions(), "leaders")

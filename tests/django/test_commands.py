@@ -286,6 +286,7 @@ def test_bucket_inspect(two: Candidates, bucket: str) -> None:
         "storage": "file",
         "keys": entry["keys"],
         "created": False,
+        "description": "",  # a TTL change's marks would be here
         "problems": [],
     }
     assert entry["keys"] >= 2  # one entry per held role
