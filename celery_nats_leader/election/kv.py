@@ -715,10 +715,12 @@ class KvElection(BaseElection):
         campaign tried again later.
         """
         try:
-            moved = await self._move_is_live(await self._marks(self.config.bucket))
-        except PERMANENT_ERRORS:
-            raise
+            marks = await self._marks(self.config.bucket)
+            moved = await self._move_is_live(marks)
         except ElectionError as exc:
+            # Any failure, a "permanent" one included (a timeout of the stream
+            # API reads as JetStream unavailable): not knowing is not leading,
+            # and it must not stop the election either.
             logger.warning(
                 "%s: won a campaign but could not read the bucket's marks (%s); giving the "
                 "key back and campaigning again",
@@ -729,9 +731,24 @@ class KvElection(BaseElection):
             self._retry_later()
             return
         if moved:
-            marks = await self._marks(self.config.bucket)
             self._stop_campaigning(marks.moved_to)
             await self._give_back(token, revision)
+            return
+        if self._state is ElectionState.STOPPED:
+            return
+        if self._view.revision > revision:
+            # The key changed while we read the marks (a concurrent create
+            # accepted on nats-server < 2.9.21, a fence, a delete): the event
+            # reached us as a candidate, so only this check can see it.
+            logger.warning(
+                "%s: the key changed (revision %d) after our create at revision %d; following",
+                self.role,
+                self._view.revision,
+                revision,
+            )
+            self._set_state(ElectionState.FOLLOWER)
+            if self._decided is not None:
+                self._decided.set()
             return
         self._win(token, revision, send)
 

@@ -439,6 +439,13 @@ async def migrate_bucket(
         next_revision = await backend.raise_next_revision(target.name, floor, timeout=timeout)
     except BaseException:
         if source is not None and restore is not None:
+            # Undo both marks, or neither: NEW still marked "migrated from"
+            # beside an unmarked OLD would be two elections. NEW goes when
+            # this call made it; an existing one loses its mark first.
+            if existing is None:
+                await backend.delete_bucket(target.name, timeout=timeout)
+            else:
+                await backend.describe_bucket(target.name, existing.description, timeout=timeout)
             await backend.describe_bucket(source, restore, timeout=timeout)
         raise
     logger.info(
