@@ -470,6 +470,21 @@ class BeatCluster:
             done, timeout, f"{count} ticks of every entry under epoch {epoch}", self.diagnostics
         )
 
+    def operator(
+        self, *args: str, config: dict[str, Any] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """``celery nats-leader ARGS``, run to completion with ``config`` (default: ours)."""
+        env = dict(self.env, CNL_BEAT_CONFIG=json.dumps(self.config if config is None else config))
+        return subprocess.run(
+            [CELERY, "-A", "cnl_beat_app", "nats-leader", *args],
+            env=env,
+            cwd=str(HERE),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
     def diagnostics(self) -> str:
         terms = sorted(self.recorder.terms().items())
         parts = [

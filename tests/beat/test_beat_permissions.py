@@ -15,7 +15,6 @@ without credentials; the server maps them to the ``admin`` user
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import re
 import shutil
@@ -62,17 +61,8 @@ def nats_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Nat
 
 def _operator(cluster: BeatCluster, *args: str) -> subprocess.CompletedProcess[str]:
     """``celery nats-leader ...`` as the operator (no credentials: the admin user)."""
-    config = dict(cluster.config, extra={k: v for k, v in EXTRA.items() if k != "connect_options"})
-    env = dict(cluster.env, CNL_BEAT_CONFIG=json.dumps(config))
-    return subprocess.run(
-        [CELERY, "-A", "cnl_beat_app", "nats-leader", *args],
-        env=env,
-        cwd=str(HERE),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    extra = {k: v for k, v in EXTRA.items() if k != "connect_options"}
+    return cluster.operator(*args, config=dict(cluster.config, extra=extra))
 
 
 EXTRA: dict[str, Any] = {"connect_options": WORKER, "once_lease": 2.0, "once_retention": 600.0}

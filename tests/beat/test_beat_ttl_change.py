@@ -15,9 +15,7 @@ the new terms' epochs continue above the old ones.
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -26,8 +24,6 @@ from typing import Any
 import pytest
 from cnl_beat_checks import check_exactly_once
 from cnl_beat_harness import (
-    CELERY,
-    HERE,
     LEADERS_BUCKET,
     STATE_BUCKET,
     BeatCluster,
@@ -41,20 +37,6 @@ NEW_TTL = 4.0
 
 #: Celery's log line prefix: "[2026-11-28 21:47:24,975: INFO/MainProcess] ".
 STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): ")
-
-
-def _operator(cluster: BeatCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    """``celery nats-leader ...`` with the cluster's current settings."""
-    env = dict(cluster.env, CNL_BEAT_CONFIG=json.dumps(cluster.config))
-    return subprocess.run(
-        [CELERY, "-A", "cnl_beat_app", "nats-leader", *args],
-        env=env,
-        cwd=str(HERE),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def _promotions(log: str) -> list[tuple[float, int]]:
@@ -82,7 +64,7 @@ def test_a_ttl_change_rolled_over_the_beat_replicas_runs_every_tick_once(
 
     # The new settings as first written: refused, saying what to keep.
     cluster.config.update(bucket=NEW_BUCKET, ttl=NEW_TTL)
-    refused = _operator(cluster, "bucket", "--migrate-from", LEADERS_BUCKET)
+    refused = cluster.operator("bucket", "--migrate-from", LEADERS_BUCKET)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     # (The worker made the once-guard's buckets at its start: both are named.)
     assert (
@@ -91,12 +73,12 @@ def test_a_ttl_change_rolled_over_the_beat_replicas_runs_every_tick_once(
     ) in refused.stderr
     assert "ticks around the cut-over would be skipped or run twice" in refused.stderr
     # Refused before anything changed: the old replicas are not told to move.
-    assert _operator(cluster, "bucket", "--bucket", NEW_BUCKET).returncode == 1  # missing
+    assert cluster.operator("bucket", "--bucket", NEW_BUCKET).returncode == 1  # missing
 
     cluster.config["extra"].update(
         beat_state_bucket=STATE_BUCKET, once_bucket=f"{LEADERS_BUCKET}_once"
     )
-    migrated = _operator(cluster, "bucket", "--migrate-from", LEADERS_BUCKET)
+    migrated = cluster.operator("bucket", "--migrate-from", LEADERS_BUCKET)
     assert migrated.returncode == 0, migrated.stdout + migrated.stderr
     [floor_line] = [x for x in migrated.stdout.splitlines() if x.startswith("  next epoch")]
     floor = int(floor_line.split()[2])
