@@ -114,6 +114,7 @@ def _unparsed(ctx: click.Context) -> list[str]:
 def test_manifests_are_found() -> None:
     kinds = sorted(d["kind"] for _, d in DOCS)
     assert kinds == [
+        "ConfigMap",
         "Deployment",
         "Deployment",
         "Deployment",
@@ -121,6 +122,9 @@ def test_manifests_are_found() -> None:
         "PodDisruptionBudget",
         "PodDisruptionBudget",
         "PodDisruptionBudget",
+        "PodDisruptionBudget",
+        "Service",
+        "StatefulSet",
     ]
 
 

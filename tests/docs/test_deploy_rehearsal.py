@@ -1,8 +1,8 @@
 """The Kubernetes manifests of ``deploy/kubernetes/``, run as a team would run them.
 
-A three-node NATS cluster from ``deploy/nats/cluster.conf`` with
-``deploy/nats/permissions.conf`` (the include done as text: the harness
-writes each member's file elsewhere), the app ``proj`` as the README there
+A three-node NATS cluster as ``nats.yaml``'s StatefulSet runs it
+(``deploy/nats/cluster.conf`` and ``deploy/nats/permissions.conf`` through
+its ConfigMaps, the passwords from the Secret, its probes), the app ``proj`` as the README there
 shows it, then, in the README's order: the Job's command, two pods of each
 Deployment (their command and their environment, the Secret's values filled
 in), their startup, readiness and liveness probes, ``nats-leader status`` in
@@ -66,17 +66,66 @@ def workload(name: str, kind: str) -> dict[str, Any]:
     return found
 
 
+def nats_server_config() -> tuple[str, dict[str, str]]:
+    """``nats.yaml``'s server: its configuration file as mounted, and its environment.
+
+    The projected volume joins the ConfigMap ``nats-config`` (its
+    ``nats.conf``) and ``nats-files``, made from ``deploy/nats/`` as its
+    comment says; the includes are done as text (the harness writes each
+    member's file elsewhere).
+    """
+    docs = manifest("nats.yaml")
+    [config_map] = [d for d in docs if d["kind"] == "ConfigMap"]
+    stateful = workload("nats.yaml", "StatefulSet")
+    pod = stateful["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "config"]
+    sources = {s["configMap"]["name"] for s in volume["projected"]["sources"]}
+    assert sources == {config_map["metadata"]["name"], "nats-files"}
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == "config"]
+    args = container["args"]
+    config_path = args[args.index("-c") + 1]
+    assert Path(config_path).parent == Path(mount["mountPath"]), (config_path, mount)
+    files = {"cluster.conf", "permissions.conf"}  # kubectl create configmap nats-files ...
+
+    def resolve(line: str) -> str:
+        found = re.fullmatch(r"\s*include \./(\S+)\s*", line)
+        if not found:
+            return line
+        assert found.group(1) in files, line
+        return (NATS / found.group(1)).read_text()
+
+    text = "\n".join(
+        resolve(line) for line in config_map["data"][Path(config_path).name].splitlines()
+    )
+    env = {
+        item["name"]: SECRET[item["valueFrom"]["secretKeyRef"]["key"]]
+        for item in container["env"]
+        if "secretKeyRef" in item.get("valueFrom", {})
+    }
+    return text, env
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
-    conf = tmp_path_factory.mktemp("nats") / "cluster.conf"
-    conf.write_text(
-        (NATS / "cluster.conf").read_text() + "\n" + (NATS / "permissions.conf").read_text()
-    )
+    """The StatefulSet of ``nats.yaml``: three servers from its configuration and Secret."""
+    text, env = nats_server_config()
+    conf = tmp_path_factory.mktemp("nats") / "nats.conf"
+    conf.write_text(text)
     saved = dict(os.environ)
     # permissions.conf reads the passwords from the server's environment.
-    os.environ.update({f"{user.upper()}_PASSWORD": pw for user, pw in SECRET.items()})
+    os.environ.update(env)
     try:
         with NatsCluster(3, config_file=conf) as made:
+            # Each server passes the StatefulSet's probes.
+            probes = workload("nats.yaml", "StatefulSet")["spec"]["template"]["spec"]
+            [container] = probes["containers"]
+            for server in made.servers:
+                for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    path = container[kind]["httpGet"]["path"]
+                    url = f"http://127.0.0.1:{server.monitor_port}{path}"
+                    with urllib.request.urlopen(url, timeout=5) as answer:
+                        assert answer.status == 200, (kind, url)
             yield made
     finally:
         os.environ.clear()
