@@ -516,14 +516,21 @@ async def check_carried_buckets(
 
     """
     keep = []
-    for setting, what, current, old in (
+    for setting, what, current, old, consequence in (
         (
             "beat_state_bucket",
             "beat's schedule state",
             settings.beat_state_bucket,
             f"{source}_beat",
+            "ticks around the cut-over would be skipped or run twice",
         ),
-        ("once_bucket", "the once-guard's records", settings.once_bucket, f"{source}_once"),
+        (
+            "once_bucket",
+            "the once-guard's records",
+            settings.once_bucket,
+            f"{source}_once",
+            "work they record as done or running could run again",
+        ),
     ):
         if current == old:
             continue
@@ -531,15 +538,18 @@ async def check_carried_buckets(
             await backend.bucket_info(old, timeout=timeout)
         except BucketNotFoundError:
             continue
-        keep.append((setting, f"{what} in {current!r} (the replicas use {old!r})", old))
+        keep.append(
+            (setting, f"{what} in {current!r} (the replicas use {old!r})", old, consequence)
+        )
     if keep:
-        pins = "; ".join(f"nats_leader_{name} = {old!r}" for name, _, old in keep)
-        django = " / ".join(f"NATS_LEADER[{name.upper()!r}]" for name, _, _ in keep)
-        moved = " and ".join(what for _, what, _ in keep)
+        pins = "; ".join(f"nats_leader_{name} = {old!r}" for name, _, old, _ in keep)
+        django = " / ".join(f"NATS_LEADER[{name.upper()!r}]" for name, _, _, _ in keep)
+        moved = " and ".join(what for _, what, _, _ in keep)
+        consequences = "; ".join(consequence for _, _, _, consequence in keep)
         raise ConfigError(
-            f"the new settings would start from empty buckets: {moved}; ticks around the "
-            f"cut-over would be skipped or run twice. Keep the old ones: set {pins} "
-            f"(Django: {django}) in the new settings, then run this again"
+            f"the new settings would start from empty buckets: {moved}; {consequences}. "
+            f"Keep the old ones: set {pins} (Django: {django}) in the new settings, then run "
+            "this again"
         )
 
 
