@@ -183,7 +183,10 @@ class ElectionConfig:
     """Seconds a stop or a release (resign, failed health check, takeover)
     waits for the demote callbacks. When they take longer it is logged, and the
     term is not released but left to expire: a successor then waits for the
-    TTL, never starts while leader work may still be stopping."""
+    TTL, never starts while leader work may still be stopping. Also the
+    longest a callback may run while later callbacks wait behind it: it is
+    then abandoned (logged at ERROR) and they run, so that a hung
+    ``on_promote`` cannot keep ``on_demote`` from running."""
 
     resync_interval: float = 0.0
     """Seconds between reads that back up the key watch; ``0`` means the heartbeat."""

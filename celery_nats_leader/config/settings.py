@@ -107,7 +107,8 @@ class LeaderSettings:
     """Seconds between background token validations while leading; 0 = off."""
 
     demote_timeout: float = election_field("demote_timeout")
-    """Seconds a stop or a release waits for the demote callbacks."""
+    """Seconds a stop or a release waits for the demote callbacks (and a callback
+    may run while later ones wait behind it: past it, it is abandoned)."""
 
     priority: int = election_field("priority")
     """Higher is preferred."""

@@ -163,7 +163,11 @@ class BaseElection(abc.ABC):
         self._demote_callbacks: list[DemoteCallback] = []
         self._change_callbacks: list[LeaderChangeCallback] = []
         self._error_callbacks: list[ErrorCallback] = []
-        self._callbacks = CallbackRunner(f"{config.role}")
+        # A callback overrunning demote_timeout with later ones queued behind
+        # it is abandoned: the election stops waiting for demote callbacks
+        # then anyway, and an on_demote stuck behind a hung on_promote would
+        # leave the user's code leading while a successor does.
+        self._callbacks = CallbackRunner(f"{config.role}", abandon_after=config.demote_timeout)
         # Demote callbacks that outlived demote_timeout: the teardown does not
         # wait for them a second time (a stop would take twice the bound).
         self._overdue_callbacks: asyncio.Future[None] | None = None
