@@ -21,6 +21,8 @@ hands over the roles of the pod's host.
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import re
 import shlex
@@ -28,7 +30,9 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +56,8 @@ SECRET = {"admin": "adm-pw-r", "worker": "wrk-pw-r", "beat": "bt-pw-r", "viewer"
 #: A Redis database of this test's own (flushed before and after).
 REDIS_URL = "redis://127.0.0.1:6379/11"
 BIN = Path(sys.executable).parent
+#: A worker's log line for a heartbeat tick that ran (its id is the tick's).
+SUCCEEDED = re.compile(r"Task proj\.celery\.heartbeat\[([0-9a-f-]+)\] succeeded")
 APP_BLOCK = re.compile(
     r"^<!-- test: deploy file=proj/celery.py -->\n```python\n(?P<body>.*?)^```$", re.M | re.S
 )
@@ -160,6 +166,9 @@ class Pod:
         #: containerPort -> this pod's port on the host.
         self.ports = {p["containerPort"]: free_port() for p in self.container.get("ports", [])}
         self.named = {p["name"]: p["containerPort"] for p in self.container.get("ports", [])}
+        self.annotations = dict(
+            workload["spec"]["template"].get("metadata", {}).get("annotations", {})
+        )
         self.env = self._environment(cluster)
         self.proc: Proc | None = None
 
@@ -283,6 +292,166 @@ def run_job(cluster: NatsCluster, project: Path, log_dir: Path) -> str:
     return proc.log()
 
 
+class Prometheus:
+    """A real Prometheus scraping the pods' declared ports with the shipped alert rules.
+
+    Its targets are what the pods' ``prometheus.io/port`` annotations name
+    (a file it watches, rewritten as pods come and go); it scrapes and
+    evaluates every second, so that a rule's condition shows within seconds
+    (as a pending alert: the rules' ``for`` durations are a minute, and the
+    firing itself is unit-tested with promtool).
+    """
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.port = free_port()
+        self.targets_file = tmp_path / "targets.json"
+        self.targets_file.write_text("[]")
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(ROOT / "deploy" / "prometheus" / "nats-leader-rules.yml")],
+                    "scrape_configs": [
+                        {
+                            "job_name": "pods",
+                            "file_sd_configs": [
+                                {"files": [str(self.targets_file)], "refresh_interval": "1s"}
+                            ],
+                        }
+                    ],
+                }
+            )
+        )
+        self.proc = Proc(
+            "prometheus",
+            [
+                "prometheus",
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            env=dict(os.environ),
+            log_path=tmp_path / "prometheus.log",
+            cwd=tmp_path,
+        )
+        wait_for(lambda: self._get("/-/ready") is not None, 30, "Prometheus ready")
+
+    def _get(self, path: str) -> Any:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                body = r.read()
+        except OSError:
+            return None
+        return json.loads(body) if path.startswith("/api/") else body
+
+    def scrape(self, pods: list[Pod]) -> None:
+        """Scrape the pods still running, at the port their annotations declare."""
+        targets = []
+        for pod in pods:
+            if pod.proc is None or not pod.proc.alive:
+                continue
+            declared = int(pod.annotations["prometheus.io/port"])
+            targets.append(
+                {"targets": [f"127.0.0.1:{pod.ports[declared]}"], "labels": {"pod": pod.name}}
+            )
+        self.targets_file.write_text(json.dumps(targets))
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        answer = self._get("/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+        return [] if answer is None else list(answer["data"]["result"])
+
+    def alerts(self, name: str) -> list[dict[str, Any]]:
+        """The alerts ``name``, pending or firing, as Prometheus evaluates them."""
+        answer = self._get("/api/v1/alerts")
+        found = [] if answer is None else answer["data"]["alerts"]
+        return [a for a in found if a["labels"]["alertname"] == name]
+
+    def leader_pod(self, role: str) -> str | None:
+        """The pod whose scraped ``nats_leader_is_leader`` says it leads ``role``."""
+        found = self.query(f'nats_leader_is_leader{{role="{role}"}} == 1')
+        return str(found[0]["metric"]["pod"]) if len(found) == 1 else None
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def tick_runs(pods: list[Pod]) -> Counter[str]:
+    """Each heartbeat task id (one per tick) and how often it succeeded."""
+    found: Counter[str] = Counter()
+    for pod in pods:
+        if pod.proc is not None:
+            found.update(SUCCEEDED.findall(pod.proc.log()))
+    return found
+
+
+#: Numbers of pods started after the first ones (their names: beat-7, ...).
+POD_NUMBERS = itertools.count(10)
+
+
+def crash_the_beat_pods(
+    prometheus: Prometheus,
+    workers: list[Pod],
+    beats: list[Pod],
+    cluster: NatsCluster,
+    project: Path,
+    log_dir: Path,
+) -> list[Pod]:
+    """SIGKILL the leading beat pod, then the other; Kubernetes starts new ones.
+
+    Prometheus scrapes the pods' declared ports and evaluates the shipped
+    rules on those series: one leader of each role, the successor after the
+    crash, ``NatsLeaderRoleGone`` while no beat pod runs, and not after.
+    Returns the beat pods running at the end.
+    """
+    prometheus.scrape([*workers, *beats])
+
+    def leaders() -> dict[str, str]:
+        found = prometheus.query("sum by (role) (nats_leader_is_leader)")
+        return {r["metric"]["role"]: r["value"][1] for r in found}
+
+    wait_for(lambda: leaders() == {"reports": "1", "beat": "1"}, 30, "one leader of each role")
+    crashed = wait_for(lambda: prometheus.leader_pod("beat"), 30, "the beat leader's series")
+    [leading] = [p for p in beats if p.name == crashed]
+    assert leading.proc is not None
+    leading.proc.kill()
+    leading.proc.wait(10)
+    prometheus.scrape([*workers, *beats])
+    # The other beat pod takes over within the TTL (the default, 10 s).
+    successor = wait_for(
+        lambda: (name := prometheus.leader_pod("beat")) not in (None, crashed) and name,
+        10 + 15,
+        "a successor of the killed beat pod",
+    )
+    before = heartbeats(workers)
+    wait_for(lambda: heartbeats(workers) >= before + 2, 30, f"ticks from {successor}")
+
+    # Every beat pod down: the role's series are gone, NoLeader cannot fire,
+    # NatsLeaderRoleGone does (pending: its "for" is a minute).
+    for pod in beats:
+        if pod.proc is not None and pod.proc.alive:
+            pod.proc.kill()
+            pod.proc.wait(10)
+    prometheus.scrape(workers)
+    wait_for(
+        lambda: [a["labels"]["role"] for a in prometheus.alerts("NatsLeaderRoleGone")] == ["beat"],
+        30,
+        "NatsLeaderRoleGone for beat",
+    )
+    fresh = [
+        Pod(workload("beat.yaml", "Deployment"), next(POD_NUMBERS), cluster, project) for _ in beats
+    ]
+    for pod in fresh:
+        pod.start(log_dir)
+    for pod in fresh:
+        pod.wait_started()
+    prometheus.scrape([*workers, *fresh])
+    wait_for(lambda: not prometheus.alerts("NatsLeaderRoleGone"), 30, "NatsLeaderRoleGone to clear")
+    wait_for(lambda: leaders() == {"reports": "1", "beat": "1"}, 30, "a beat leader again")
+    return fresh
+
+
 def test_worker_and_beat_manifests_come_up_tick_and_roll_over(
     cluster: NatsCluster, project: Path, tmp_path: Path
 ) -> None:
@@ -311,13 +480,19 @@ def test_worker_and_beat_manifests_come_up_tick_and_roll_over(
         for pod in workers:
             assert "once-guard cannot use" not in (pod.proc.log() if pod.proc else "")
 
+        prometheus = Prometheus(tmp_path)
+        try:
+            beats = crash_the_beat_pods(prometheus, workers, beats, cluster, project, tmp_path)
+        finally:
+            prometheus.close()
+
         # A rolling update: each pod replaced in turn, its roles handed over.
         for old in [*workers, *beats]:
             seconds = old.replace()
             assert seconds < old.grace, (old.name, seconds)
             fresh = Pod(
                 workload("worker.yaml" if old in workers else "beat.yaml", "Deployment"),
-                len(workers) + len(beats),
+                next(POD_NUMBERS),
                 cluster,
                 project,
             )
@@ -330,6 +505,9 @@ def test_worker_and_beat_manifests_come_up_tick_and_roll_over(
         assert shown.returncode == 0, shown.stdout + shown.stderr
         before = heartbeats(workers)
         wait_for(lambda: heartbeats(workers) >= before + 2, 30, "ticks after the roll")
+        # Through the crashes and the roll, every tick ran once.
+        runs = tick_runs(workers)
+        assert runs and max(runs.values()) == 1, [t for t, n in runs.items() if n > 1]
     finally:
         for pod in [*workers, *beats]:
             if pod.proc is not None and pod.proc.alive:
