@@ -90,6 +90,7 @@ def beat_schedule(entries: list[dict[str, Any]], task: str, queue: str) -> dict[
             raise ValueError(kind)
         found[spec["name"]] = {
             "task": spec.get("task", task),
+            "args": spec.get("args", ()),
             "schedule": sched,
             "options": {"queue": queue, **spec.get("options", {})},
         }
@@ -259,6 +260,13 @@ def make_app(config: dict[str, Any]) -> Celery:
 
     @app.task(shared=False, bind=True, base=RecordingFencedTask, name="cnl_beat.fenced")
     def fenced(self: Any, *args: Any, **kwargs: Any) -> None:
+        _record(ledger, self)
+
+    @app.task(shared=False, bind=True, base=RecordingFencedTask, name="cnl_beat.slow")
+    def slow(self: Any, seconds: float) -> None:
+        # Work that outlasts the tick's period: a run is under way whenever
+        # something happens to NATS. Recorded once it is done.
+        time.sleep(seconds)
         _record(ledger, self)
 
     @app.task(shared=False, bind=True, base=OnceTask, name="cnl_beat.once")

@@ -127,10 +127,37 @@ class KVRecorder:
             self._watchers.append(watcher)
             self._tasks.append(asyncio.get_running_loop().create_task(self._pump(bucket, watcher)))
 
+    def rewatch(self) -> None:
+        """Watch again from each bucket's history: after a server restart.
+
+        nats-py's watch does not notice a restarted server whose consumers
+        are gone; the new watch replays what the buckets keep, and writes
+        already seen are not recorded twice.
+        """
+
+        async def rewatch() -> None:
+            for watcher in self._watchers:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+            for task in self._tasks:
+                task.cancel()
+            self._watchers, self._tasks = [], []
+            # The old connection may be half-way through its own reconnect.
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+            await self._start()
+
+        self._loop.run(rewatch(), 30)
+
     async def _pump(self, bucket: str, watcher: Any) -> None:
         async for update in watcher:
             if update is None:
                 continue
+            with self._lock:
+                if any(
+                    s.bucket == bucket and s.revision == update.revision for s in self.seen[-500:]
+                ):
+                    continue  # replayed by rewatch()
             observed = Observed(
                 bucket,
                 update.key,
