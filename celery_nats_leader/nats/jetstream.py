@@ -140,6 +140,23 @@ def _bucket_api_error(exc: nats.js.errors.APIError, name: str) -> ElectionError:
     return BackendError(f"JetStream: {exc}")
 
 
+def _raise_stream_refusal(name: str, answer: dict[str, Any], code: int | None) -> None:
+    """Raise what a raw stream API answer about bucket ``name`` refused, if it refused."""
+    if code is None:
+        return
+    error = answer.get("error") or {}
+    if code == _STREAM_NOT_FOUND:
+        raise BucketNotFoundError(f"KV bucket {name!r} does not exist")
+    if code in _JETSTREAM_NOT_ENABLED:
+        raise JetStreamUnavailableError(
+            "the NATS server has no JetStream: start nats-server with -js "
+            "(or enable jetstream {} in its configuration)"
+        )
+    if error.get("code") == 403 or "permission" in str(error.get("description", "")).lower():
+        raise PermissionDeniedError(f"JetStream refused: {error}")
+    raise BackendError(f"JetStream: {error}")
+
+
 def _connection_error(exc: Exception) -> BackendError:
     """Translate a nats-py error that is about the connection, not the request."""
     if isinstance(
@@ -837,17 +854,35 @@ class JetStreamBackend:
     async def describe_bucket(self, name: str, description: str, *, timeout: float) -> None:
         """Set the bucket's stream description (an in-place stream update).
 
+        The update sends the server's own configuration back with only the
+        description changed. Through nats-py's ``StreamConfig``, ``max_age``
+        and ``duplicate_window`` pass through float seconds (1.000000007 s
+        comes back 1 ns shorter), and fields the installed nats-py does not
+        model are dropped (nats-py 2.14 has no ``subject_delete_marker_ttl``,
+        which nats-server 2.11+ sets on buckets with expiry markers): the
+        update would have changed the bucket's TTL or settings.
+
         Raises:
             BucketNotFoundError: The bucket does not exist.
+            PermissionDeniedError: The account may not read or update the stream.
             JetStreamUnavailableError: The server has no JetStream.
             BackendError: Any other failure.
 
         """
-        async with self._stream_api(name, timeout):
-            info = await asyncio.wait_for(self.js.stream_info(f"KV_{name}"), timeout)
-            config = info.config
-            config.description = description or None
-            await asyncio.wait_for(self.js.update_stream(config), timeout)
+        stream = f"KV_{name}"
+        answer, code = await self._stream_request(f"{_JS_API}.STREAM.INFO.{stream}", {}, timeout)
+        _raise_stream_refusal(name, answer, code)
+        config = answer.get("config")
+        if not isinstance(config, dict):
+            raise BackendError(f"JetStream: no configuration in the stream info of {stream}")
+        if description:
+            config["description"] = description
+        else:
+            config.pop("description", None)
+        answer, code = await self._stream_request(
+            f"{_JS_API}.STREAM.UPDATE.{stream}", config, timeout
+        )
+        _raise_stream_refusal(name, answer, code)
 
     async def delete_bucket(self, name: str, *, timeout: float) -> bool:
         """Delete a bucket's stream; ``False`` when there was none.

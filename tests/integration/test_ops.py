@@ -7,6 +7,7 @@ about what the operator tools see.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 
@@ -151,3 +152,51 @@ async def test_server_without_jetstream_is_reported_with_advice() -> None:
                 await bucket_info(backend, "leaders", timeout=2)
             with pytest.raises(JetStreamUnavailableError, match="-js"):
                 await delete_bucket(backend, "leaders", timeout=2)
+
+
+async def test_describe_bucket_changes_nothing_else_in_the_stream_config() -> None:
+    # A TTL change marks both buckets in their streams' descriptions. That
+    # update must not move max_age (the TTL every replica checks) by a
+    # nanosecond, nor drop settings nats-py does not model (nats-py 2.14 has
+    # no subject_delete_marker_ttl, which nats-server 2.11+ keeps).
+    name = f"ops_{uuid.uuid4().hex[:8]}"
+    odd = 1_000_000_007  # ns: float seconds (1.000000007) come back as ...006
+    assert int(odd / 1e9 * 1e9) != odd
+    with NatsServer() as server:
+        async with await open_backend(ConnectOptions(servers=(server.url,))) as be:
+            config: dict[str, object] = {
+                "name": f"KV_{name}",
+                "subjects": [f"$KV.{name}.>"],
+                "max_msgs_per_subject": 1,
+                "max_age": odd,
+                "duplicate_window": odd,
+                "discard": "new",
+                "deny_delete": True,
+                "allow_rollup_hdrs": True,
+                "allow_direct": True,
+                "storage": "file",
+                "num_replicas": 1,
+            }
+            if be.server_version() >= (2, 11):
+                config.update(allow_msg_ttl=True, subject_delete_marker_ttl=odd)
+            created = await be.nc.request(
+                f"$JS.API.STREAM.CREATE.KV_{name}", json.dumps(config).encode(), timeout=5
+            )
+            assert "error" not in json.loads(created.data), created.data
+
+            async def stream_config() -> dict[str, object]:
+                info = await be.nc.request(f"$JS.API.STREAM.INFO.KV_{name}", b"", timeout=5)
+                found = json.loads(info.data)["config"]
+                assert isinstance(found, dict)
+                return found
+
+            before = await stream_config()
+            assert before["max_age"] == odd
+            await be.describe_bucket(name, "celery-nats-leader moved-to=x", timeout=5)
+            after = await stream_config()
+            assert after == {**before, "description": "celery-nats-leader moved-to=x"}
+            assert (await bucket_info(be, name)).description == "celery-nats-leader moved-to=x"
+            await be.describe_bucket(name, "", timeout=5)
+            assert await stream_config() == before
+            with pytest.raises(BucketNotFoundError, match="ops_missing"):
+                await be.describe_bucket("ops_missing", "x", timeout=5)
