@@ -120,6 +120,8 @@ class KvElection(BaseElection):
         self._migrated_from: str | None = None
         self._old_bucket: Bucket | None = None
         self._waiting_for_old_term = False
+        # The old bucket we saw free of the role (then we never look again).
+        self._old_bucket_seen_free: str | None = None
         # Set while the connection is down; the roster starts afresh once it is back.
         self._connection_lost = False
         self._hello_due = False
@@ -736,6 +738,24 @@ class KvElection(BaseElection):
             return
         if self._state is ElectionState.STOPPED:
             return
+        if marks.migrated_from is not None and marks.migrated_from != self._old_bucket_seen_free:
+            # Marked "migrated from" after we opened it (by hand, or by a tool
+            # that marks an existing bucket): the old bucket may hold a term
+            # of the role. Give the key back and wait that term out first, as
+            # a replica that read the mark at start does (election/moves.py).
+            logger.warning(
+                "%s: KV bucket %r was marked migrated from %r after this replica opened it; "
+                "giving the key back until the old bucket's term of %r ends",
+                self.role,
+                self.config.bucket,
+                marks.migrated_from,
+                self.role,
+            )
+            self._migrated_from = marks.migrated_from
+            self._old_bucket = None
+            await self._give_back(token, revision)
+            self._view.retry_at(self._clock.monotonic())
+            return
         if self._view.revision > revision:
             # The key changed while we read the marks (a concurrent create
             # accepted on nats-server < 2.9.21, a fence, a delete): the event
@@ -799,6 +819,7 @@ class KvElection(BaseElection):
                     self._migrated_from,
                 )
             return True
+        self._old_bucket_seen_free = self._migrated_from
         self._migrated_from = None
         self._old_bucket = None
         return False

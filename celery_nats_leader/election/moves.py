@@ -7,7 +7,9 @@ marks make them one election:
 
 * ``bucket --migrate-from OLD`` first marks ``OLD`` *moved to* ``NEW`` (its
   stream's description), then creates ``NEW`` marked *migrated from* ``OLD``
-  (in the same create, so no replica ever sees ``NEW`` unmarked).
+  (in the same create, so no replica ever sees ``NEW`` unmarked; it
+  refuses a ``NEW`` it did not create, which a replica may have opened
+  unmarked).
 * A replica on ``OLD`` never starts a term once ``OLD`` is moved (while
   ``NEW`` exists and names ``OLD``; deleting ``NEW`` undoes the move). It
   reads the mark after each won create, before it acts as leader, and gives

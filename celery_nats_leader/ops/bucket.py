@@ -400,8 +400,10 @@ async def migrate_bucket(
     Raises:
         BucketNotFoundError: ``source`` does not exist.
         ConfigError: The new bucket holds entries already (a candidate uses
-            it: epochs below the floor were given out), it is ``source``, or
-            the floor reaches the ALLCALL strategy's epochs.
+            it: epochs below the floor were given out), it exists without
+            the mark of a migration from ``source`` (a replica may have
+            opened it unmarked), it is ``source``, or the floor reaches the
+            ALLCALL strategy's epochs.
 
     """
     if source == target.name:
@@ -427,6 +429,8 @@ async def migrate_bucket(
         existing = None
     if existing is not None:
         _refuse_used(target, existing.keys)
+        if source is not None:
+            _refuse_unmarked(target, source, existing.description)
     # The marks that make the two buckets one election while the replicas
     # roll over (election/moves.py): the old bucket first, so that no
     # replica ever sees the new bucket without the old one marked.
@@ -435,17 +439,21 @@ async def migrate_bucket(
         restore = await _mark(backend, source, moved_to=target.name, timeout=timeout)
     try:
         outcome = await _create_migrated(backend, target, existing, source, timeout=timeout)
-        _refuse_used(target, outcome.info.keys if outcome.info is not None else 0)
+        if outcome.info is not None:
+            _refuse_used(target, outcome.info.keys)
+            if source is not None:
+                # A replica with create_bucket made it between our look and
+                # our create: ours then found its bucket, unmarked.
+                _refuse_unmarked(target, source, outcome.info.description)
         next_revision = await backend.raise_next_revision(target.name, floor, timeout=timeout)
     except BaseException:
         if source is not None and restore is not None:
             # Undo both marks, or neither: NEW still marked "migrated from"
             # beside an unmarked OLD would be two elections. NEW goes when
-            # this call made it; an existing one loses its mark first.
+            # this call made it (it carries our mark; a replica's bucket
+            # stays); an existing one was already marked so, and stays.
             if existing is None:
-                await backend.delete_bucket(target.name, timeout=timeout)
-            else:
-                await backend.describe_bucket(target.name, existing.description, timeout=timeout)
+                await _delete_if_marked(backend, target.name, source, timeout=timeout)
             await backend.describe_bucket(source, restore, timeout=timeout)
         raise
     logger.info(
@@ -467,6 +475,34 @@ def _refuse_used(target: BucketTarget, held: int) -> None:
         )
 
 
+def _refuse_unmarked(target: BucketTarget, source: str, description: str) -> None:
+    """Refuse a new bucket that this migration did not create (it lacks the mark).
+
+    A replica started with the new settings and ``create_bucket`` creates
+    the new bucket unmarked, reads no marks and campaigns without waiting
+    for ``source``'s term: marking that bucket afterwards cannot reach it.
+    """
+    if BucketMarks.parse(description).migrated_from == source:
+        return  # made by an earlier run of this migration
+    raise ConfigError(
+        f"KV bucket {target.name!r} exists but was not created by --migrate-from {source!r}: "
+        "a replica that opened it (one started with the new settings creates it when "
+        f"create_bucket is on) would not wait for {source!r}'s leaders, and a role could "
+        f"lead on both buckets. Stop the replicas that use {target.name!r}, delete it, and "
+        "run this again before any replica starts with the new settings"
+    )
+
+
+async def _delete_if_marked(backend: Backend, bucket: str, source: str, *, timeout: float) -> None:
+    """Delete ``bucket`` if it carries the mark of a migration from ``source`` (ours)."""
+    try:
+        info = await backend.bucket_info(bucket, timeout=timeout)
+    except BucketNotFoundError:
+        return
+    if BucketMarks.parse(info.description).migrated_from == source:
+        await backend.delete_bucket(bucket, timeout=timeout)
+
+
 async def _mark(backend: Backend, bucket: str, *, moved_to: str, timeout: float) -> str:
     """Mark ``bucket`` moved to ``moved_to``; return its description before."""
     before = (await backend.bucket_info(bucket, timeout=timeout)).description
@@ -483,7 +519,7 @@ async def _create_migrated(
     *,
     timeout: float,
 ) -> BucketOutcome:
-    """Create the new bucket marked as migrated from ``source`` (or mark the empty one)."""
+    """Create the new bucket marked as migrated from ``source`` (or read the existing one)."""
     description = BucketMarks(migrated_from=source).describe() if source else ""
     if existing is None:
         info = await ensure_bucket(
@@ -495,8 +531,8 @@ async def _create_migrated(
             description=description,
         )
     else:
-        if description:
-            await backend.describe_bucket(target.name, description, timeout=timeout)
+        # Already marked so (_refuse_unmarked): a bucket is never marked
+        # "migrated from" after a replica may have opened it.
         info = await backend.bucket_info(target.name, timeout=timeout)
     return BucketOutcome(target, info, target.problems(info))
 

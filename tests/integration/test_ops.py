@@ -10,6 +10,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any, cast
 
 import pytest
 
@@ -21,6 +22,7 @@ from celery_nats_leader.core.errors import (
     EpochFloorRaceError,
     JetStreamUnavailableError,
 )
+from celery_nats_leader.election.moves import BucketMarks
 from celery_nats_leader.nats import open_backend
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.ops.bucket import (
@@ -113,6 +115,69 @@ async def test_a_floor_raised_under_a_candidates_write_says_what_it_purged(
     await kv.create("default", b"term", timeout=5)
     with pytest.raises(EpochFloorRaceError, match=f"KV bucket {name!r}: 1 entries written"):
         await backend.raise_next_revision(name, 5_000, timeout=5)
+
+
+async def test_migrate_refuses_a_new_bucket_a_replica_created_unmarked(backend: Backend) -> None:
+    # A replica started with the new settings before the migration (and
+    # create_bucket on) made the new bucket without marks: it read none, and
+    # campaigns there without waiting for the old bucket's leader. Marking
+    # that bucket afterwards cannot reach it, so the migration refuses.
+    old, new = f"ops_{uuid.uuid4().hex[:8]}", f"ops_{uuid.uuid4().hex[:8]}"
+    await backend.open_bucket(old, ttl=3.0, create=True, replicas=1, timeout=5)
+    await backend.open_bucket(new, ttl=7.0, create=True, replicas=1, timeout=5)
+    target = BucketTarget(new, ELECTION, 7.0, 1)
+    with pytest.raises(ConfigError) as refused:
+        await migrate_bucket(backend, target, source=old, timeout=5)
+    assert str(refused.value).startswith(
+        f"KV bucket {new!r} exists but was not created by --migrate-from {old!r}"
+    )
+    assert str(refused.value).endswith(
+        f"Stop the replicas that use {new!r}, delete it, and run this again before any "
+        "replica starts with the new settings"
+    )
+    # Nothing was marked: the replicas on the old bucket lead on as before.
+    assert (await bucket_info(backend, old)).description == ""
+    assert (await bucket_info(backend, new)).description == ""
+
+    # As the error says: delete it and run again. A second run accepts the
+    # bucket the first one created.
+    await delete_bucket(backend, new)
+    created, _ = await migrate_bucket(backend, target, source=old, timeout=5)
+    again, _ = await migrate_bucket(backend, target, source=old, timeout=5)
+    assert created.info is not None and created.info.created
+    assert again.info is not None and not again.info.created
+    assert BucketMarks.parse(again.info.description) == BucketMarks(migrated_from=old)
+    assert BucketMarks.parse((await bucket_info(backend, old)).description) == BucketMarks(
+        moved_to=new
+    )
+
+
+class _ReplicaCreatesFirst:
+    """A backend on which a replica creates each bucket, unmarked, just before a marked create."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    async def open_bucket(self, name: str, **options: Any) -> Any:
+        if options.get("description"):
+            await self._backend.open_bucket(name, **{**options, "description": ""})
+        return await self._backend.open_bucket(name, **options)
+
+
+async def test_migrate_refuses_a_new_bucket_a_replica_created_under_it(backend: Backend) -> None:
+    # The replica's create lands between the migration's look (no bucket)
+    # and its own create, which then finds the replica's unmarked bucket.
+    old, new = f"ops_{uuid.uuid4().hex[:8]}", f"ops_{uuid.uuid4().hex[:8]}"
+    await backend.open_bucket(old, ttl=3.0, create=True, replicas=1, timeout=5)
+    racing = cast(Backend, _ReplicaCreatesFirst(backend))
+    with pytest.raises(ConfigError, match=f"exists but was not created by --migrate-from {old!r}"):
+        await migrate_bucket(racing, BucketTarget(new, ELECTION, 7.0, 1), source=old, timeout=5)
+    # The old bucket's mark is undone; the replica's bucket is left to it.
+    assert (await bucket_info(backend, old)).description == ""
+    assert (await bucket_info(backend, new)).description == ""
 
 
 @pytest.mark.parametrize("graceful", [True, False], ids=["restart", "kill"])

@@ -8,13 +8,15 @@ fence in tests/django/test_ttl_change.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from celery_nats_leader import DemoteReason
 from celery_nats_leader.election.moves import BucketMarks
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
+from celery_nats_leader.term.record import encode_record
 from tests.unit.test_election_logic import Candidate, make, server
 
 __all__ = ["make", "server"]  # the fixtures, used by name
@@ -122,3 +124,69 @@ async def test_the_new_bucket_leads_at_once_when_the_old_one_holds_no_term(
     new = make("new-a", bucket=NEW)
     await new.election.start()
     assert new.election.is_leader
+
+
+class _Heard(logging.Handler):
+    """Sets an event when the election logs a message containing ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.text = text
+        self.event = asyncio.Event()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.records.append(record)
+            self.event.set()
+
+
+@pytest.fixture
+def hear() -> Iterator[Callable[[str], _Heard]]:
+    logger = logging.getLogger("celery_nats_leader.election.kv")
+    handlers: list[_Heard] = []
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+
+    def listen(text: str) -> _Heard:
+        handler = _Heard(text)
+        handlers.append(handler)
+        logger.addHandler(handler)
+        return handler
+
+    yield listen
+    for handler in handlers:
+        logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+async def test_a_new_bucket_marked_after_a_replica_opened_it_still_waits_for_the_old_term(
+    make: Callable[..., Candidate], server: MemoryServer, hear: Callable[[str], _Heard]
+) -> None:
+    # A replica opened the new bucket before it was marked "migrated from"
+    # (a tool or a hand that marks an existing bucket; --migrate-from
+    # refuses such a bucket): it read no marks at start. Its first won
+    # create reads them, and it waits for the old bucket's term like the rest.
+    old_leader = make("old-a", bucket=OLD)
+    await old_leader.election.start()
+    admin = MemoryBackend(server)
+    new_bucket = await admin.open_bucket(NEW, ttl=0.6, create=True, replicas=1, timeout=1)
+    held = encode_record(instance_id="someone", token="t", epoch=None, priority=0, meta={})
+    revision = await new_bucket.create("beat", held, timeout=1)
+    new = make("new-a", bucket=NEW)
+    await new.election.start()
+    assert not new.election.is_leader  # someone holds the new bucket's key
+    await admin.describe_bucket(OLD, BucketMarks(moved_to=NEW).describe(), timeout=1)
+    await admin.describe_bucket(NEW, BucketMarks(migrated_from=OLD).describe(), timeout=1)
+    marked_late = hear("was marked migrated from 'leaders' after this replica opened it")
+    waiting = hear("waiting for the term of 'beat' on the old bucket 'leaders' to end")
+
+    await new_bucket.delete("beat", last=revision, timeout=1)  # the new bucket's key is free
+    await asyncio.wait_for(marked_late.event.wait(), 2.0)
+    await asyncio.wait_for(waiting.event.wait(), 2.0)
+    assert new.promotions == [] and not new.election.is_leader
+    assert old_leader.election.is_leader
+
+    await old_leader.election.stop()
+    await asyncio.wait_for(new.promoted.wait(), 2.0)
+    assert old_leader.demotions == [DemoteReason.STOPPED]
