@@ -86,6 +86,10 @@ FOLLOWER_EXPIRY_MARGIN_SECONDS = 0.01
 #: heartbeat interval if shorter): a released old term is followed within it.
 MOVE_POLL_SECONDS = 0.25
 
+#: During a TTL change, how often a replica that cannot read the old bucket
+#: says so again at WARNING (it says it at once, and waits meanwhile).
+MOVE_WARNING_REPEAT_SECONDS = 30.0
+
 #: Consecutive health-check failures that make a leader resign.
 DEFAULT_HEALTH_CHECK_FAILURES = 3
 

@@ -120,8 +120,10 @@ class KvElection(BaseElection):
         self._migrated_from: str | None = None
         self._old_bucket: Bucket | None = None
         self._waiting_for_old_term = False
-        # The old bucket we saw free of the role (then we never look again).
+        # The old bucket we saw free of the role (then we never look again),
+        # and when to say again that it cannot be read.
         self._old_bucket_seen_free: str | None = None
+        self._old_unreadable_warning_at: float | None = None
         # Set while the connection is down; the roster starts afresh once it is back.
         self._connection_lost = False
         self._hello_due = False
@@ -803,10 +805,21 @@ class KvElection(BaseElection):
                 )
             entry = await self._old_bucket.get(self.role, timeout=cfg.request_timeout)
         except BucketNotFoundError:
+            # Deleted (the roll's last step): a bucket that does not exist
+            # holds no term. Only "not found" says so; any other failure
+            # below may hide a live term, and we wait.
+            logger.info(
+                "%s: the old bucket %r no longer exists (a finished TTL change); campaigning",
+                self.role,
+                self._migrated_from,
+            )
             entry = None
         except ElectionError as exc:
-            logger.debug("%s: could not read the old bucket: %s", self.role, exc)
+            self._warn_old_bucket_unreadable(self._migrated_from, exc)
             return True
+        if self._old_unreadable_warning_at is not None:
+            self._old_unreadable_warning_at = None
+            logger.info("%s: the old bucket %r can be read again", self.role, self._migrated_from)
         if entry is not None:
             if self._decided is not None:
                 self._decided.set()  # start() returns: we follow until it ends
@@ -823,6 +836,42 @@ class KvElection(BaseElection):
         self._migrated_from = None
         self._old_bucket = None
         return False
+
+    def _warn_old_bucket_unreadable(self, old: str, exc: ElectionError) -> None:
+        """Say that the old bucket cannot be read: at once, then every MOVE_WARNING_REPEAT_SECONDS.
+
+        The replica waits for as long as it lasts, so it must not be a
+        DEBUG line: nothing else shows why the role has no leader here.
+        """
+        now = self._clock.monotonic()
+        if self._old_unreadable_warning_at is not None and now < self._old_unreadable_warning_at:
+            logger.debug("%s: could not read the old bucket %r: %s", self.role, old, exc)
+            return
+        self._old_unreadable_warning_at = now + c.MOVE_WARNING_REPEAT_SECONDS
+        if isinstance(exc, PermissionDeniedError):
+            logger.warning(
+                "%s: permission denied reading the old bucket %r (%s): this replica does not "
+                "campaign for %r until it can (a TTL change: the old bucket's term of the role "
+                "must end first). Let its NATS user read %r until the roll ends (the permission "
+                "sets in docs/operating.md), or delete %r if no replica uses it any more",
+                self.role,
+                old,
+                exc,
+                self.role,
+                old,
+                old,
+            )
+            return
+        logger.warning(
+            "%s: cannot read the old bucket %r (%s): this replica does not campaign for %r "
+            "until it can (a TTL change: the old bucket's term of the role must end first); "
+            "trying again every %gs",
+            self.role,
+            old,
+            exc,
+            self.role,
+            min(c.MOVE_POLL_SECONDS, self.config.heartbeat_interval),
+        )
 
     def _retry_later(self) -> None:
         delay = self._backoff.failure()

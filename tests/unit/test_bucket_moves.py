@@ -10,10 +10,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from celery_nats_leader import DemoteReason
+from celery_nats_leader.core.errors import (
+    BackendTimeoutError,
+    ElectionError,
+    PermissionDeniedError,
+)
 from celery_nats_leader.election.moves import BucketMarks
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.term.record import encode_record
@@ -190,3 +196,67 @@ async def test_a_new_bucket_marked_after_a_replica_opened_it_still_waits_for_the
     await old_leader.election.stop()
     await asyncio.wait_for(new.promoted.wait(), 2.0)
     assert old_leader.demotions == [DemoteReason.STOPPED]
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (
+            PermissionDeniedError("JetStream refused: permissions violation"),
+            "beat: permission denied reading the old bucket 'leaders' (JetStream refused: "
+            "permissions violation): this replica does not campaign for 'beat' until it can",
+        ),
+        (
+            BackendTimeoutError("no answer within 1s"),
+            "beat: cannot read the old bucket 'leaders' (no answer within 1s): this replica "
+            "does not campaign for 'beat' until it can",
+        ),
+    ],
+    ids=["permission-denied", "timeout"],
+)
+async def test_a_new_replica_that_cannot_read_the_old_bucket_says_so_at_warning(
+    make: Callable[..., Candidate],
+    server: MemoryServer,
+    hear: Callable[[str], _Heard],
+    monkeypatch: pytest.MonkeyPatch,
+    error: ElectionError,
+    said: str,
+) -> None:
+    await MemoryBackend(server).open_bucket(OLD, ttl=0.6, create=True, replicas=1, timeout=1)
+    await move(server)
+    new = make("new-a", bucket=NEW)
+    attempts = 0
+    fifth = asyncio.Event()
+    real_open = new.backend.open_bucket
+
+    async def open_bucket(name: str, **options: Any) -> Any:
+        nonlocal attempts
+        if name != OLD:
+            return await real_open(name, **options)
+        attempts += 1
+        if attempts == 5:
+            fifth.set()
+        raise error
+
+    monkeypatch.setattr(new.backend, "open_bucket", open_bucket)
+    warned = hear(said)
+    await new.election.start(wait=0.1)
+    await asyncio.wait_for(fifth.wait(), 5.0)
+    # Said once at WARNING (then at most every 30 s), and it does not lead:
+    # an old bucket that cannot be read may hold the role.
+    assert [r.levelno for r in warned.records] == [logging.WARNING]
+    assert not new.election.is_leader and new.promotions == []
+    if isinstance(error, PermissionDeniedError):
+        assert (
+            warned.records[0]
+            .getMessage()
+            .endswith(
+                "Let its NATS user read 'leaders' until the roll ends (the permission sets in "
+                "docs/operating.md), or delete 'leaders' if no replica uses it any more"
+            )
+        )
+
+    # Readable again (here: deleted, the roll's last step): it leads.
+    monkeypatch.setattr(new.backend, "open_bucket", real_open)
+    await MemoryBackend(server).delete_bucket(OLD, timeout=1)
+    await asyncio.wait_for(new.promoted.wait(), 2.0)
