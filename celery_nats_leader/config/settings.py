@@ -159,10 +159,12 @@ class LeaderSettings:
     must outlive every scheduler."""
 
     beat_max_catch_up: int = 100
-    """Most overdue ticks of one entry that a scheduler dispatches one by one
-    after a gap inside ``beat_catch_up_window``. When more are overdue, all
-    but the latest are skipped (logged and counted in the state), as Celery's
-    own scheduler does after downtime. ``0`` = always coalesce."""
+    """Most missed ticks of one entry that a scheduler dispatches one by one
+    after a gap inside ``beat_catch_up_window``, besides the latest overdue
+    one (so at most ``beat_max_catch_up + 1`` back to back). When more are
+    overdue, all but the latest are skipped (logged and counted in the
+    state), as Celery's own scheduler does after downtime. ``0`` = always
+    coalesce."""
 
     beat_catch_up_window: float | None = None
     """Seconds: overdue ticks of an entry are dispatched one by one only while
