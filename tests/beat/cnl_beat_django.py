@@ -3,7 +3,13 @@
 ``DATABASES['default']`` comes from ``$CNL_BEAT_DB`` (JSON, set by the test:
 PostgreSQL in a schema of its own, or SQLite). ``setup`` migrates and creates
 one django-celery-beat row per entry of ``$CNL_BEAT_CONFIG``, as a deployment
-would before starting its beat replicas.
+would before starting its beat replicas; ``rows SPECS`` creates the rows of
+the entries in the JSON list ``SPECS`` (an admin adding rows later).
+
+An entry's row: ``kind`` ``interval`` (``seconds``), ``cron`` or ``clocked``
+(``at``: the clocked time, seconds since the epoch; a clocked row is one-off,
+as django-celery-beat requires); ``one_off`` and ``start_time`` (seconds since
+the epoch) as the row's fields.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 SECRET_KEY = "cnl-beat-tests"
 USE_TZ = True
@@ -44,11 +51,30 @@ def setup() -> None:
 
     django.setup()
     from django.core.management import call_command
-    from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
 
     call_command("migrate", verbosity=0)
+    create_rows(json.loads(os.environ["CNL_BEAT_CONFIG"])["entries"])
+
+
+def create_rows(specs: list[dict[str, Any]]) -> None:
+    from datetime import datetime, timezone
+
+    from django_celery_beat.models import (
+        ClockedSchedule,
+        CrontabSchedule,
+        IntervalSchedule,
+        PeriodicTask,
+    )
+
+    def moment(seconds: float) -> datetime:
+        return datetime.fromtimestamp(seconds, tz=timezone.utc)
+
     config = json.loads(os.environ["CNL_BEAT_CONFIG"])
-    for spec in config["entries"]:
+    for spec in specs:
+        fields: dict[str, Any] = {"one_off": bool(spec.get("one_off", False))}
+        if spec.get("start_time") is not None:
+            fields["start_time"] = moment(spec["start_time"])
+        schedule: dict[str, Any]
         if spec["kind"] == "interval":
             interval = IntervalSchedule.objects.create(
                 every=spec["seconds"], period=IntervalSchedule.SECONDS
@@ -64,6 +90,10 @@ def setup() -> None:
                 timezone="UTC",
             )
             schedule = {"crontab": crontab}
+        elif spec["kind"] == "clocked":
+            clocked = ClockedSchedule.objects.create(clocked_time=moment(spec["at"]))
+            schedule = {"clocked": clocked}
+            fields["one_off"] = True
         else:
             raise ValueError(f"no database row for a {spec['kind']!r} entry")
         PeriodicTask.objects.create(
@@ -72,10 +102,17 @@ def setup() -> None:
             queue=config["queue"],
             headers=json.dumps(spec.get("headers", {})),
             **schedule,
+            **fields,
         )
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["setup"]:
-        sys.exit("usage: python -m cnl_beat_django setup")
-    setup()
+    if sys.argv[1:] == ["setup"]:
+        setup()
+    elif sys.argv[1:2] == ["rows"] and len(sys.argv) == 3:
+        import django
+
+        django.setup()
+        create_rows(json.loads(sys.argv[2]))
+    else:
+        sys.exit("usage: python -m cnl_beat_django setup | rows SPECS")

@@ -21,6 +21,7 @@ several seconds, and only ticks missed inside the window are caught up one by on
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -83,8 +84,8 @@ def run_old_then_stop(cluster: BeatCluster, runs: int = 3, hosts: int = 1) -> fl
     return time.time()
 
 
-def seed(cluster: BeatCluster, argv: list[str]) -> dict[str, Any]:
-    """Run a seed command the way an operator would; its JSON outcome for ENTRY."""
+def seed(cluster: BeatCluster, argv: list[str], entry: str = ENTRY) -> dict[str, Any]:
+    """Run a seed command the way an operator would; its JSON outcome for ``entry``."""
     result = subprocess.run(
         argv,
         env=cluster.env,
@@ -97,7 +98,7 @@ def seed(cluster: BeatCluster, argv: list[str]) -> dict[str, Any]:
     assert result.returncode == 0, result.stdout + result.stderr
     body = json.loads(result.stdout.strip().splitlines()[-1])
     by_name = {e["entry"]: e for e in body["entries"]}
-    return dict(by_name[ENTRY])
+    return dict(by_name[entry])
 
 
 def start_ours_and_check(
@@ -249,3 +250,261 @@ def test_seeding_twice_keeps_the_state(cluster_factory: Callable[..., BeatCluste
     assert (first["action"], again["action"]) == ("seeded", "kept")
     assert again["state"]["slot"] == first["state"]["slot"]
     assert datetime.fromisoformat(first["last_run_at"]) == parse_slot(first["state"]["slot"])
+
+
+# ------------------------------------------- the first start after a cut-over
+
+#: docs/migrating.md's cut-over table at scale: TTL 1.5 s, so the default
+#: catch-up window is 2 x 1.5 + 5 = 8 s, and an entry with one tick a second.
+CUT_TTL = 1.5
+CUT_WINDOW = LeaderSettings(ttl=CUT_TTL).catch_up_window()
+#: Seconds from the old beat's stop to the new one's start (its own start-up,
+#: one to a few seconds, adds to the cut-over): well inside the window, or
+#: longer than the window plus a period whatever the start-up.
+CUT_OVERS = {"shorter": 4.0, "longer": CUT_WINDOW + 4.0}
+#: "No burst": at most floor(window / period) + 1 ticks of an entry are
+#: dispatched back to back at the first start (9 here).
+BURST = math.floor(CUT_WINDOW / 1.0) + 1
+
+
+@pytest.mark.parametrize("cut_over", ["shorter", "longer"])
+@pytest.mark.parametrize("kind", ["interval", "fastcron"])
+def test_the_first_start_after_a_cut_over(
+    cluster_factory: Callable[..., BeatCluster], tmp_path: Path, kind: str, cut_over: str
+) -> None:
+    """A cut-over shorter than the window: each missed tick once, back to back; longer: one run.
+
+    ``interval`` is a 1-s interval; ``fastcron`` a real ``crontab(minute="*")``
+    on the 60x schedule clock (one cron minute a second, the window measured
+    on that clock: 8 s x 60), through the crontab's own code path.
+    """
+    name = f"{kind}-cut-over"
+    cluster = cluster_factory(
+        entries=[{"name": name, "kind": kind, "seconds": 1}],
+        scheduler="celery.beat:PersistentScheduler",
+        ttl=CUT_TTL,
+    )
+    speed = float(cluster.config["speed"]) if kind == "fastcron" else 1.0
+    step = timedelta(seconds=speed)  # one period, on the schedule's clock
+
+    def real(slot: datetime) -> float:
+        """The wall-clock time of a slot (a fastcron's clock runs ``speed`` x from t0)."""
+        return cluster.t0 + (slot.timestamp() - cluster.t0) / speed
+
+    stopped = run_old_then_stop(cluster, runs=1)
+    seeded = seed(
+        cluster,
+        [CELERY, "-A", "cnl_beat_app", "nats-leader", "seed-beat", "--json",
+         "--shelve", str(tmp_path / "schedule0")],
+        entry=name,
+    )  # fmt: skip
+    assert seeded["action"] == "seeded", seeded
+    last = parse_slot(seeded["last_run_at"])
+    # The tick the old scheduler would have sent next: the oldest one missed.
+    first_due = last + step if kind == "interval" else last.replace(second=0, microsecond=0) + step
+
+    # The cut-over's length is the thing under test: nothing to await but the clock.
+    pause = CUT_OVERS[cut_over]
+    wait_for(lambda: time.time() >= stopped + pause, pause + 5, "the cut-over")
+    cluster.scheduler = "nats_leader"
+    cluster.start_beat()
+    leader = cluster.wait_leader()
+    # The ticks of the first start (up to 6 after the shorter cut-over, 1
+    # after the longer one), then some on time.
+    cluster.wait_runs_by(leader.epoch, 8 if cut_over == "shorter" else 4)
+    cluster.drain()
+
+    new = sorted(cluster.runs(name), key=lambda r: parse_slot(r.tick or ""))
+    slots = [parse_slot(r.tick or "") for r in new]
+    # None twice: each tick once (one task id each), the old last run not again.
+    assert len({r.task_id for r in new}) == len(new) == len(set(slots))
+    assert slots[0] > last
+    # None lost after the first: every slot from the first start on.
+    assert slots == [slots[0] + k * step for k in range(len(slots))]
+    writes = [(seen, s) for seen, s in cluster.recorder.state_writes(name) if s.by != "seed"]
+    final = writes[-1][1]
+    assert final.runs == seeded["runs"] + len(new)
+    # The recorder's clock is the monotonic one: the first commit on the wall clock.
+    to_wall = time.time() - time.monotonic()
+    started = writes[0][0].mono + to_wall
+    committed = {s.slot: seen.mono + to_wall for seen, s in writes if s.pending}
+
+    if cut_over == "shorter":
+        # The oldest missed tick was inside the window at the first start.
+        age = started - real(first_due)
+        assert age <= CUT_WINDOW, f"the first start came {age:.1f}s after the tick: a loaded host"
+        # Each tick that came due during the cut-over: once, oldest first, none skipped...
+        assert slots[0] == first_due, (slots[0], first_due)
+        assert all(s.skipped == 0 for _, s in writes)
+        overdue = [s for s in slots if real(s) <= started]
+        assert 2 <= len(overdue) <= BURST, (len(overdue), BURST)
+        # ... back to back: all of them committed before the next tick came due.
+        assert len(slots) > len(overdue), (slots, overdue)
+        on_time = slots[len(overdue)]
+        assert all(committed[s] < real(on_time) for s in overdue), (overdue, committed)
+        outcome = f"{len(overdue)} caught up back to back, 0 skipped"
+    else:
+        # One run: the latest overdue tick; the others counted as skipped.
+        coalesced = slots[0]
+        jumped = (coalesced - first_due) // step
+        assert jumped >= CUT_WINDOW, (jumped, coalesced, first_due)
+        state = next(s for _, s in writes if s.slot == coalesced)
+        # An interval counts every tick jumped over; a crontab's count is a
+        # lower bound (1: the search for its latest slot does not walk them).
+        assert state.skipped == final.skipped == (jumped if kind == "interval" else 1)
+        outcome = f"1 run, {jumped} jumped over, skipped counted {state.skipped}"
+    # No burst after that: each later tick committed at its slot, not before.
+    later = [s for s in slots if real(s) > started + 1.0]
+    assert later, slots
+    for slot in later:
+        assert real(slot) - 0.05 <= committed[slot] <= real(slot) + 2.0, (slot, committed[slot])
+    print(
+        f"{kind}, cut-over {cut_over} than the {CUT_WINDOW:g}s window "
+        f"({started - stopped:.1f}s from the old stop to the first commit): {outcome}"
+    )
+
+
+def periodic_rows(database: Database) -> dict[str, tuple[bool, int]]:
+    """django-celery-beat's rows as the database has them: name -> (enabled, total_run_count)."""
+    query = "SELECT name, enabled, total_run_count FROM django_celery_beat_periodictask"
+    settings = database.settings
+    if database.vendor == "postgresql":
+        import psycopg2
+
+        conn = psycopg2.connect(
+            host=settings["HOST"],
+            port=settings["PORT"],
+            dbname=settings["NAME"],
+            user=settings["USER"],
+            options=settings["OPTIONS"]["options"],
+            connect_timeout=5,
+        )
+    else:
+        import sqlite3
+
+        conn = sqlite3.connect(settings["NAME"], timeout=30)
+    try:
+        cur = conn.cursor()
+        cur.execute(query)
+        return {str(name): (bool(on), int(count)) for name, on, count in cur.fetchall()}
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("cut_over", ["shorter", "longer"])
+def test_the_first_start_after_a_cut_over_clocked_and_one_off(
+    cluster_factory: Callable[..., BeatCluster], database: Database, cut_over: str
+) -> None:
+    """Clocked and one-off rows run once whatever the cut-over: if they did not run before it.
+
+    From django-celery-beat's DatabaseScheduler, a cut-over shorter or longer
+    than the window (the 8-s window of TTL 1.5 s): a clocked row and a one-off
+    row (every second) that the old scheduler ran are not run again; a clocked
+    row whose time fell in the cut-over, and a one-off row (every second) that
+    started in it and so had several ticks overdue, run once each.
+    """
+    ran_before = [
+        {"name": "clocked-ran", "kind": "clocked", "at": time.time()},
+        {"name": "one-off-ran", "kind": "interval", "seconds": 1, "one_off": True},
+    ]
+    cluster = cluster_factory(
+        entries=list(ran_before),
+        scheduler="django_celery_beat.schedulers:DatabaseScheduler",
+        database=database,
+        ttl=CUT_TTL,
+    )
+    cluster.django_setup()
+    # The old scheduler runs both rows once (each can run only once), then stops.
+    stopped = run_old_then_stop(cluster, runs=2)
+    assert len(old_runs(cluster)) == 2
+    # Rows due during the cut-over, never run: their times a second after the stop.
+    due_in_cut_over = [
+        {"name": "clocked-due", "kind": "clocked", "at": stopped + 1.0},
+        {"name": "one-off-due", "kind": "interval", "seconds": 1, "one_off": True,
+         "start_time": stopped + 1.0},
+    ]  # fmt: skip
+    created = subprocess.run(
+        [sys.executable, "-m", "cnl_beat_django", "rows", json.dumps(due_in_cut_over)],
+        env=cluster.env,
+        cwd=str(HERE),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert created.returncode == 0, created.stdout + created.stderr
+    cluster.entries.extend(due_in_cut_over)
+    result = subprocess.run(
+        [sys.executable, "-m", "django", "election_seed_beat", "--json"],
+        env=cluster.env,
+        cwd=str(HERE),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    outcomes = {
+        e["entry"]: e for e in json.loads(result.stdout.strip().splitlines()[-1])["entries"]
+    }
+    assert {n: (o["action"], o["runs"]) for n, o in outcomes.items()} == {
+        "clocked-ran": ("seeded", 1),
+        "one-off-ran": ("seeded", 1),
+        "clocked-due": ("never ran", 0),
+        "one-off-due": ("never ran", 0),
+    }
+
+    # The cut-over: nothing to await but the clock.
+    pause = CUT_OVERS[cut_over]
+    wait_for(lambda: time.time() >= stopped + pause, pause + 5, "the cut-over")
+    cluster.scheduler = "django_nats_leader"
+    new_beat = cluster.start_beat()
+    cluster.wait_leader()
+    # Spent one-off rows are disabled by the scheduler's next look at them:
+    # after that it never reads them again.
+    wait_for(
+        lambda: all(not on for on, _ in periodic_rows(database).values()),
+        30,
+        "every one-off row disabled",
+        cluster.diagnostics,
+    )
+    wait_for(
+        lambda: {r.entry for r in cluster.runs()} >= {"clocked-due", "one-off-due"},
+        30,
+        "the worker to run the rows due in the cut-over",
+        cluster.diagnostics,
+    )
+    new_beat.stop()
+
+    ours = {n: [r for r in cluster.runs() if r.entry == n] for n in outcomes}
+    assert {n: len(runs) for n, runs in ours.items()} == {
+        "clocked-ran": 0,
+        "one-off-ran": 0,
+        "clocked-due": 1,
+        "one-off-due": 1,
+    }
+    assert len(old_runs(cluster)) == 2  # the old scheduler's two runs, not again
+    [clocked] = ours["clocked-due"]
+    [one_off] = ours["one-off-due"]
+    clocked_state = cluster.recorder.state_writes("clocked-due")[-1][1]
+    one_off_state = cluster.recorder.state_writes("one-off-due")[-1][1]
+    # The clocked row: its one tick, none skipped.
+    assert (clocked_state.runs, clocked_state.skipped) == (1, 0)
+    assert one_off_state.runs == 1
+    overdue = math.floor(one_off.wall - (stopped + 1.0))
+    if cut_over == "shorter":
+        # Several ticks overdue inside the window: the oldest ran, then the
+        # row was disabled: one run, not a catch-up burst, none skipped.
+        assert overdue >= 2, overdue
+        assert parse_slot(one_off.tick or "").timestamp() < stopped + 2.0, one_off.tick
+        assert one_off_state.skipped == 0
+    else:
+        # A dozen ticks overdue, older than the window: one run (the
+        # latest), the others counted as skipped, then disabled.
+        assert one_off_state.skipped >= CUT_WINDOW, one_off_state
+    print(
+        f"clocked row due in a {cut_over} cut-over ({pause:g}s): ran once, "
+        f"{clocked.wall - stopped:.1f}s after "
+        f"the old stop; one-off row: ran once, {one_off_state.skipped} ticks skipped; "
+        "rows run before the cut-over: not again"
+    )
