@@ -261,7 +261,7 @@ CUT_WINDOW = LeaderSettings(ttl=CUT_TTL).catch_up_window()
 #: Seconds from the old beat's stop to the new one's start (its own start-up,
 #: one to a few seconds, adds to the cut-over): well inside the window, or
 #: longer than the window plus a period whatever the start-up.
-CUT_OVERS = {"shorter": 4.0, "longer": CUT_WINDOW + 4.0}
+CUT_OVERS = {"shorter": 3.0, "longer": CUT_WINDOW + 4.0}
 #: "No burst": at most floor(window / period) + 1 ticks of an entry are
 #: dispatched back to back at the first start (9 here).
 BURST = math.floor(CUT_WINDOW / 1.0) + 1
