@@ -954,6 +954,7 @@ class JetStreamBackend:
     @contextlib.asynccontextmanager
     async def _stream_api(self, name: str, timeout: float) -> AsyncIterator[None]:
         """Translate the errors of a JetStream stream API call about bucket ``name``."""
+        started = time.monotonic()
         try:
             yield
         except nats.js.errors.NotFoundError as exc:
@@ -967,6 +968,8 @@ class JetStreamBackend:
             nats.errors.TimeoutError,
             nats.errors.NoRespondersError,
         ) as exc:
+            # A user who may not call this API sees a timeout: say why.
+            self._raise_if_refused(started, f"the stream API of KV bucket {name!r}")
             raise JetStreamUnavailableError(
                 f"JetStream did not answer within {timeout:g}s ({type(exc).__name__}): start "
                 "nats-server with -js (or enable jetstream {} in its configuration)"

@@ -148,6 +148,24 @@ async def test_a_user_without_the_kv_permission_gets_a_clear_error(secured: Nats
     )
 
 
+async def test_a_refused_stream_api_call_names_the_refused_subject(secured: NatsServer) -> None:
+    admin = await backend_of(secured, "admin")
+    await admin.open_bucket(BUCKET, ttl=TTL, create=True, replicas=1, timeout=5)
+    viewer = await backend_of(secured, "viewer")
+    try:
+        # The server answers nothing to a refused request: without the
+        # refusal, this read as "JetStream did not answer: start nats-server
+        # with -js".
+        with pytest.raises(
+            PermissionDeniedError, match=r"(?i)\$JS\.API\.STREAM\.DELETE\.KV_leaders"
+        ):
+            await viewer.delete_bucket(BUCKET, timeout=1)
+        assert (await admin.bucket_info(BUCKET, timeout=5)).ttl == TTL
+    finally:
+        await viewer.nc.close()
+        await admin.nc.close()
+
+
 def start_is_refused(
     url: str,
     connect_options: dict[str, Any],
