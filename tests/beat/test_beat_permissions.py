@@ -41,7 +41,13 @@ from tests.support.procs import Proc
 pytestmark = [pytest.mark.integration, pytest.mark.celery, pytest.mark.timeout(180)]
 
 PERMISSIONS = REPO / "deploy" / "nats" / "permissions.conf"
-PASSWORDS = {"worker": "w-pw-2", "beat": "b-pw-2", "viewer": "v-pw-2", "admin": "a-pw-2"}
+PASSWORDS = {
+    "worker": "w-pw-2",
+    "beat": "b-pw-2",
+    "web": "web-pw-2",
+    "viewer": "v-pw-2",
+    "admin": "a-pw-2",
+}
 WORKER = {"user": "worker", "password": PASSWORDS["worker"]}
 TICKS = 6
 

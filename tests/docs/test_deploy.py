@@ -238,7 +238,7 @@ def test_nats_configs_pass_the_servers_check(config: str, tmp_path: Path) -> Non
     text = (DEPLOY / "nats" / config).read_text()
     if config != "permissions.conf":
         text += "include ./permissions.conf\n"  # as the production checklist says
-    env = {f"{user}_PASSWORD": "x" for user in ("WORKER", "BEAT", "VIEWER", "ADMIN")}
+    env = {f"{user}_PASSWORD": "x" for user in ("WORKER", "BEAT", "WEB", "VIEWER", "ADMIN")}
     (tmp_path / "permissions.conf").write_text((DEPLOY / "nats" / "permissions.conf").read_text())
     (tmp_path / config).write_text(text)
     for version, binary in servers_under_test().items():

@@ -52,7 +52,13 @@ ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
 NATS = ROOT / "deploy" / "nats"
 #: The Secret ``nats-users``: one password per NATS user.
-SECRET = {"admin": "adm-pw-r", "worker": "wrk-pw-r", "beat": "bt-pw-r", "viewer": "vw-pw-r"}
+SECRET = {
+    "admin": "adm-pw-r",
+    "worker": "wrk-pw-r",
+    "beat": "bt-pw-r",
+    "web": "web-pw-r",
+    "viewer": "vw-pw-r",
+}
 #: A Redis database of this test's own (flushed before and after).
 REDIS_URL = "redis://127.0.0.1:6379/11"
 BIN = Path(sys.executable).parent

@@ -29,7 +29,13 @@ from tests.integration.helpers import in_thread, servers_under_test
 pytestmark = pytest.mark.integration
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "nats"
-PASSWORDS = {"worker": "w-pw-3", "beat": "b-pw-3", "viewer": "v-pw-3", "admin": "a-pw-3"}
+PASSWORDS = {
+    "worker": "w-pw-3",
+    "beat": "b-pw-3",
+    "web": "web-pw-3",
+    "viewer": "v-pw-3",
+    "admin": "a-pw-3",
+}
 TTL = 2.0
 #: The limits the files set (max_memory_store 64MB, max_file_store 1GB).
 MEMORY, STORAGE = 64 * 1024**2, 1024**3

@@ -4,7 +4,8 @@
   the docs tell operators to include, used as is): a worker elects and leads,
   a read-only viewer reads status and events but cannot fence nor resign, and
   a user without the KV permission gets a PermissionDeniedError naming the
-  subject.
+  subject (the web user presses the Django admin's buttons in
+  tests/django/test_admin_web_user.py).
 * TLS with ``verify: true`` and certificates generated here (openssl): a
   client with its certificate leads; one without is refused at connect time.
 * NKeys, and JWT-based accounts (operator mode) with a user's ``.creds``
@@ -40,7 +41,13 @@ from celery_nats_leader.testing import NatsServer
 pytestmark = pytest.mark.integration
 
 PERMISSIONS = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "permissions.conf"
-PASSWORDS = {"worker": "w-pw-1", "beat": "b-pw-1", "viewer": "v-pw-1", "admin": "a-pw-1"}
+PASSWORDS = {
+    "worker": "w-pw-1",
+    "beat": "b-pw-1",
+    "web": "web-pw-1",
+    "viewer": "v-pw-1",
+    "admin": "a-pw-1",
+}
 BUCKET, ROLE, TTL = "leaders", "reports", 2.0
 
 
