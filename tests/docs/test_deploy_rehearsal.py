@@ -51,6 +51,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
 NATS = ROOT / "deploy" / "nats"
+#: The shipped Prometheus scrape job (and the rule files it names).
+SCRAPE_JOB = ROOT / "deploy" / "prometheus" / "scrape-pods.yml"
 #: The Secret ``nats-users``: one password per NATS user.
 SECRET = {
     "admin": "adm-pw-r",
@@ -299,13 +301,17 @@ def run_job(cluster: NatsCluster, project: Path, log_dir: Path) -> str:
 
 
 class Prometheus:
-    """A real Prometheus scraping the pods' declared ports with the shipped alert rules.
+    """A real Prometheus with the shipped scrape job and alert rules.
 
-    Its targets are what the pods' ``prometheus.io/port`` annotations name
-    (a file it watches, rewritten as pods come and go); it scrapes and
-    evaluates every second, so that a rule's condition shows within seconds
-    (as a pending alert: the rules' ``for`` durations are a minute, and the
-    firing itself is unit-tested with promtool).
+    ``deploy/prometheus/scrape-pods.yml``'s job as written, its relabelling
+    included, except the discovery: Kubernetes' pod discovery gives one
+    target per declared container port with the pod's annotations and the
+    port's name as ``__meta_kubernetes_*`` labels; a file (rewritten as pods
+    come and go) gives the same labels here, and the job's own rules decide
+    what is scraped. It scrapes and evaluates every second, so that a rule's
+    condition shows within seconds (as a pending alert: the rules' ``for``
+    durations are a minute, and the firing itself is unit-tested with
+    promtool).
     """
 
     def __init__(self, tmp_path: Path) -> None:
@@ -313,19 +319,16 @@ class Prometheus:
         self.targets_file = tmp_path / "targets.json"
         self.targets_file.write_text("[]")
         config = tmp_path / "prometheus.yml"
+        shipped = yaml.safe_load(SCRAPE_JOB.read_text())
+        [job] = shipped["scrape_configs"]
+        del job["kubernetes_sd_configs"]
+        job["file_sd_configs"] = [{"files": [str(self.targets_file)], "refresh_interval": "1s"}]
         config.write_text(
             yaml.safe_dump(
                 {
                     "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                    "rule_files": [str(ROOT / "deploy" / "prometheus" / "nats-leader-rules.yml")],
-                    "scrape_configs": [
-                        {
-                            "job_name": "pods",
-                            "file_sd_configs": [
-                                {"files": [str(self.targets_file)], "refresh_interval": "1s"}
-                            ],
-                        }
-                    ],
+                    "rule_files": [str(SCRAPE_JOB.parent / f) for f in shipped["rule_files"]],
+                    "scrape_configs": [job],
                 }
             )
         )
@@ -352,15 +355,26 @@ class Prometheus:
         return json.loads(body) if path.startswith("/api/") else body
 
     def scrape(self, pods: list[Pod]) -> None:
-        """Scrape the pods still running, at the port their annotations declare."""
+        """Discover the pods still running, as Kubernetes' pod discovery would."""
         targets = []
         for pod in pods:
             if pod.proc is None or not pod.proc.alive:
                 continue
-            declared = int(pod.annotations["prometheus.io/port"])
-            targets.append(
-                {"targets": [f"127.0.0.1:{pod.ports[declared]}"], "labels": {"pod": pod.name}}
-            )
+            meta = {
+                "__meta_kubernetes_namespace": "default",
+                "__meta_kubernetes_pod_name": pod.name,
+                **{
+                    "__meta_kubernetes_pod_annotation_" + re.sub(r"[^a-zA-Z0-9_]", "_", name): value
+                    for name, value in pod.annotations.items()
+                },
+            }
+            for name, container_port in pod.named.items():
+                targets.append(
+                    {
+                        "targets": [f"127.0.0.1:{pod.ports[container_port]}"],
+                        "labels": {**meta, "__meta_kubernetes_pod_container_port_name": name},
+                    }
+                )
         self.targets_file.write_text(json.dumps(targets))
 
     def query(self, expr: str) -> list[dict[str, Any]]:
@@ -535,6 +549,37 @@ def test_worker_with_embedded_beat_manifest_comes_up(
         shown = status(pods[0])
         assert shown.returncode == 0, shown.stdout + shown.stderr
         wait_for(lambda: heartbeats(pods) >= 2, 30, "the embedded beat's ticks run")
+
+        # The shipped scrape job keeps both ports of each pod, by name; the
+        # beat role's series come from the beat child's.
+        prometheus = Prometheus(tmp_path)
+        try:
+            prometheus.scrape(pods)
+            wanted = {(p.name, port) for p in pods for port in ("metrics", "beat-metrics")}
+            wait_for(
+                lambda: (
+                    {
+                        (r["metric"]["pod"], r["metric"]["port_name"])
+                        for r in prometheus.query("up == 1")
+                    }
+                    == wanted
+                ),
+                30,
+                "both ports of every pod scraped",
+            )
+            wait_for(
+                lambda: (
+                    {
+                        (r["metric"]["role"], r["metric"]["port_name"])
+                        for r in prometheus.query("nats_leader_is_leader")
+                    }
+                    == {("reports", "metrics"), ("beat", "beat-metrics")}
+                ),
+                30,
+                "each role's series on its process's port",
+            )
+        finally:
+            prometheus.close()
         seconds = pods[0].replace()
         assert seconds < pods[0].grace
         assert status(pods[1]).returncode == 0
