@@ -174,6 +174,26 @@ def _retrieve_outcome(request: asyncio.Future[Any]) -> None:
         request.exception()
 
 
+async def _discard_watcher(start: asyncio.Future[KeyValue.KeyWatcher]) -> None:
+    """Let a KV watch start that was given up end, then stop its watcher.
+
+    Cancels that come meanwhile are held until then: the start is bounded by
+    nats-py's own request timeouts, and a watcher left running would be fed
+    by the server for as long as the connection lives.
+    """
+    cancelled = False
+    while not start.done():
+        try:
+            await asyncio.wait([start])  # cancelling this wait leaves ``start`` alone
+        except asyncio.CancelledError:
+            cancelled = True
+    if not start.cancelled() and start.exception() is None:
+        with contextlib.suppress(Exception):
+            await start.result().stop()  # type: ignore[no-untyped-call]
+    if cancelled:
+        raise asyncio.CancelledError
+
+
 class JetStreamSubscription:
     """A core NATS subscription or a KV watch, behind one ``unsubscribe``."""
 
@@ -343,9 +363,21 @@ class JetStreamBucket:
 
     async def watch_all(self, callback: WatchCallback) -> Callable[[], Awaitable[None]]:
         """Deliver every change of every key to ``callback``; returns the stop function."""
-        watcher = await self._backend.call(
-            self._watch_kv.watchall(), timeout=self._backend.js_timeout, bucket=self.name
-        )
+        # nats-py's watch subscribes (and the server makes its consumer)
+        # before it asks for the consumer's info, and cleans up after an
+        # error there but not after a cancel: a start given up in that await
+        # (an election stopped, close() ending a restart, our timeout) left
+        # its subscription fed on the connection for as long as that lives,
+        # for good on a connection the user owns. So the start runs shielded,
+        # and whoever gives up on it waits for its end and stops what it made.
+        start = asyncio.ensure_future(self._watch_kv.watchall())
+        try:
+            watcher = await self._backend.call(
+                asyncio.shield(start), timeout=self._backend.js_timeout, bucket=self.name
+            )
+        except BaseException:
+            await _discard_watcher(start)
+            raise
 
         async def pump() -> None:
             async for update in watcher:
