@@ -25,10 +25,12 @@ import os
 from typing import Any, NoReturn
 
 from celery import bootsteps
+from celery.concurrency.solo import TaskPool as SoloPool
 
 from celery_nats_leader.config.settings import LeaderSettings
 from celery_nats_leader.core.errors import ConfigError, ElectionError
 from celery_nats_leader.worker.celery_compat import (
+    hub_polls_at_once_when_ready,
     hub_wakes_on_call_soon,
     immediate_acks,
     pool_shutdown_tells_every_process,
@@ -142,6 +144,12 @@ class LeaderQueues(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is 
             # for the event loop's next timeout (seconds).
             immediate_acks(c)
             hub_wakes_on_call_soon(getattr(c, "hub", None))
+            if isinstance(getattr(c, "pool", None), SoloPool):
+                # A solo task runs in the event loop, and its ack can wait
+                # for the loop's next poll (up to 10 s), holding back the
+                # next prefetched task. Other pools ack from I/O callbacks or
+                # other threads, which do not wait.
+                hub_polls_at_once_when_ready(getattr(c, "hub", None))
             service.queues.attach(c)
 
     def stop(self, c: Any) -> None:

@@ -45,6 +45,12 @@ keep one code path each.
   two seconds apart, and acks still pending at a warm shutdown are dropped
   (the messages are delivered again). Celery 5.7's ``call_soon_ack`` sends
   them at once; the same is done here for older consumers.
+* :func:`hub_polls_at_once_when_ready`: not a version difference but a
+  delay of kombu's hub (5.3 to 5.7): a callback queued by another one waits
+  for the poll that follows, up to 10 s; a solo task's ack is such a
+  callback, and with one message prefetched the next task waits for it.
+  Made to poll at once while callbacks are ready, for the solo workers the
+  package runs in.
 * :func:`pool_shutdown_tells_every_process`: not a version difference but a
   race in billiard's threaded pool (4.3.2 and before) that can keep a
   prefork worker without an event loop from ever finishing its warm
@@ -77,6 +83,7 @@ __all__ = [
     "crontab_deadline_counts_the_due_slot",
     "crontab_uses_its_timezone",
     "deadline_left_to_the_slots",
+    "hub_polls_at_once_when_ready",
     "hub_wakes_on_call_soon",
     "immediate_acks",
     "pool_shutdown_tells_every_process",
@@ -512,24 +519,47 @@ def pool_shutdown_tells_every_process(pool: Any) -> bool:
 class _HubWaker:
     """A socket pair whose read end is in the hub's poller: a byte written wakes it."""
 
-    def __init__(self, hub: Any) -> None:
+    def __init__(self) -> None:
         self.reader, self.writer = socket.socketpair()
         self.reader.setblocking(False)
         self.writer.setblocking(False)
         self.loop_thread = threading.get_ident()
-        self.original = hub.call_soon
+        #: The hub's own ``call_soon``, once it is wrapped by :meth:`call_soon`.
+        self.original: Callable[..., Any] | None = None
+        #: Whether :func:`hub_polls_at_once_when_ready` added its tick callback.
+        self.ticks = False
 
     def drain(self) -> None:
         with contextlib.suppress(OSError):
             self.reader.recv(4096)
 
+    def wake(self) -> None:
+        # Full buffer: a wake-up is pending already.
+        with contextlib.suppress(OSError):
+            self.writer.send(b"\0")
+
     def call_soon(self, callback: Any, *args: Any) -> Any:
+        assert self.original is not None
         handle = self.original(callback, *args)
         if threading.get_ident() != self.loop_thread:
-            # Full buffer: a wake-up is pending already.
-            with contextlib.suppress(OSError):
-                self.writer.send(b"\0")
+            self.wake()
         return handle
+
+
+def _registered_waker(hub: Any) -> _HubWaker:
+    """The package's waker of ``hub``, its read end (again) in the hub's poller.
+
+    Call on the hub's thread after each (re)start: a hub reset unregisters
+    every reader.
+    """
+    waker: _HubWaker | None = getattr(hub, "_nats_leader_waker", None)
+    if waker is None:
+        waker = _HubWaker()
+        hub._nats_leader_waker = waker
+    waker.loop_thread = threading.get_ident()
+    hub.remove_reader(waker.reader.fileno())
+    hub.add_reader(waker.reader.fileno(), waker.drain)
+    return waker
 
 
 def hub_wakes_on_call_soon(hub: Any) -> bool:
@@ -549,12 +579,48 @@ def hub_wakes_on_call_soon(hub: Any) -> bool:
     """
     if hub is None or hasattr(hub, "_create_waker"):
         return False
-    waker: _HubWaker | None = getattr(hub, "_nats_leader_waker", None)
-    if waker is None:
-        waker = _HubWaker(hub)
-        hub._nats_leader_waker = waker
+    waker = _registered_waker(hub)
+    if waker.original is None:
+        waker.original = hub.call_soon
         hub.call_soon = waker.call_soon
-    waker.loop_thread = threading.get_ident()
-    hub.remove_reader(waker.reader.fileno())
-    hub.add_reader(waker.reader.fileno(), waker.drain)
+    return True
+
+
+def hub_polls_at_once_when_ready(hub: Any) -> bool:
+    """Make the hub's poll return at once while callbacks wait in its ready set.
+
+    kombu's hub (5.3 to 5.7) runs the callbacks ``call_soon()`` queued, then
+    polls; callbacks queued *by* those callbacks wait in the ready set until
+    that poll ends, at the next timer (up to 10 s) or I/O. A solo task run
+    from kombu's deferred read is such a callback, and its ack such a queued
+    one: with one message prefetched, RabbitMQ sends the next task only
+    after that ack. A tick callback (kombu runs them right before it polls)
+    writes a byte to a socket in the poller when the ready set is not empty,
+    as asyncio polls without blocking while callbacks are ready; the loop
+    still polls its sockets and fires its timers on every turn.
+
+    Call on the hub's thread (a consumer bootstep's ``start()``), after each
+    (re)start, as :func:`hub_wakes_on_call_soon`.
+
+    Args:
+        hub: The worker's kombu hub, or ``None`` (no event loop).
+
+    Returns:
+        Whether the hub polls at once when callbacks are ready (``False``
+        without a hub, or for a hub without a ready set and tick callbacks).
+
+    """
+    if not isinstance(getattr(hub, "_ready", None), set) or not isinstance(
+        getattr(hub, "on_tick", None), set
+    ):
+        return False
+    waker = _registered_waker(hub)
+    if not waker.ticks:
+
+        def wake_if_ready() -> None:
+            if hub._ready:  # replaced by a new set at every turn: read it now
+                waker.wake()
+
+        hub.on_tick.add(wake_if_ready)
+        waker.ticks = True
     return True

@@ -234,6 +234,41 @@ def test_call_soon_from_another_thread_wakes_the_event_loop() -> None:
     assert latency < 0.5, latency
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "kombu-alone"])
+def test_a_callback_queued_by_a_ready_callback_runs_without_waiting_for_a_timer(
+    fixed: bool,
+) -> None:
+    """As a solo task's ack, queued by kombu's deferred read (a ready callback)."""
+    from kombu.asynchronous import Hub
+
+    hub = Hub()
+    hub.call_later(1.0, lambda: None)  # the poll that follows may last this long
+    quiet, other_end = socket.socketpair()  # the broker's connection: nothing to read
+    hub.add_reader(quiet.fileno(), lambda: None)
+    if fixed:
+        assert celery_compat.hub_polls_at_once_when_ready(hub)
+        assert celery_compat.hub_polls_at_once_when_ready(hub)  # a restart: once
+        assert len(hub.on_tick) == 1
+    ran: list[float] = []
+    hub.call_soon(lambda: hub.call_soon(lambda: ran.append(time.monotonic())))
+    steps = hub.create_loop()
+    started = time.monotonic()
+    while not ran:
+        next(steps)
+    hub.close()
+    quiet.close()
+    other_end.close()
+    waker = getattr(hub, "_nats_leader_waker", None)
+    if waker is not None:
+        waker.reader.close()
+        waker.writer.close()
+    latency = ran[0] - started
+    if fixed:
+        assert latency < 0.5, latency
+    else:  # what the fix is for: the queued callback waited for the timer
+        assert latency >= 0.9, latency
+
+
 def _run_until_released(started: int, release: int) -> str:
     """The pool test's task: says it runs, then waits for the test's byte."""
     os.write(started, b"s")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import threading
 import time
 from pathlib import Path
@@ -192,6 +193,26 @@ def make_app(config: dict[str, Any]) -> Celery:
     return app
 
 
+def _acks_wait_for_the_next_delivery() -> None:
+    """Each AMQP ack returns once the broker's next message is in the socket (1 s at most).
+
+    What a loaded machine makes likely, made certain: the callback that the
+    worker's event loop runs after an ack, kombu's deferred read, finds the
+    next message already there.
+    """
+    from kombu.message import Message
+
+    original = Message.ack
+
+    def ack(self: Any, multiple: bool = False) -> None:
+        original(self, multiple=multiple)
+        sock = getattr(getattr(self.channel, "connection", None), "sock", None)
+        if sock is not None:
+            select.select([sock], [], [], 1.0)
+
+    Message.ack = ack  # type: ignore[method-assign]
+
+
 def _connect_recorders(ledger: Ledger) -> None:
     """Worker side: write signals and task outcomes into the ledger."""
 
@@ -250,3 +271,5 @@ if "CNL_CONFIG" in os.environ:
     _config = json.loads(os.environ["CNL_CONFIG"])
     app = make_app(_config)
     _connect_recorders(app.cnl_ledger)
+    if _config.get("acks_wait_for_the_next_delivery"):
+        _acks_wait_for_the_next_delivery()

@@ -58,17 +58,9 @@ def run_failover(
 
     a = total * 35 // 100
     phase1, phase2, phase3 = range(0, a), range(a, 2 * a), range(2 * a, total)
-    # Seconds for a phase's tasks to get through. A solo worker runs each
-    # task inside the event loop; when kombu's reader drained the message
-    # from a deferred read (a ready callback), the task's ack waits in the
-    # same ready set until the loop's next poll returns, which without
-    # another event or timer is kombu's longest poll, 10 s (these workers
-    # run without heartbeat, gossip and mingle); with one message
-    # prefetched, the next task waits for that ack. Seen in this test on
-    # RabbitMQ: stalls of ~10 s after a few tasks, 16 of 21 tasks in 60 s
-    # under a CPU hog; plain Celery shows it too (docs/workers.md, "Broker
-    # notes").
-    patience = 180 if pool == "solo" else 60
+    # Seconds for a phase's tasks to get through (a solo worker's acks no
+    # longer wait for its event loop's timer: test_celery_solo_acks.py).
+    patience = 60
 
     # Phase 1: the first leader works, then dies in the middle of a slow task.
     send_range(cluster, phase1, slow_last=True)
