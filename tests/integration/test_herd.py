@@ -70,7 +70,10 @@ async def test_herd_of_100_one_winner_per_release_and_epochs_grow(
     assert local.leaders() == [first.name]
     assert {local[name].leader_id for name in names} == {first.name}
     # start() returns once the candidate knows who leads: not after a TTL.
-    assert max(startup) < TTL / 2, sorted(startup)[-5:]
+    # (About 0.2 s for the hundred here on an idle machine; 1.15 s was seen
+    # with one core busy and another test run beside: the bound is the TTL
+    # that a start waiting for the key to expire would take.)
+    assert max(startup) < TTL, sorted(startup)[-5:]
     writes = WriteCounter()
     await writes.attach(nc)
 
