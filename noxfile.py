@@ -51,7 +51,7 @@ SETS: dict[str, list[str]] = {
         "kombu==5.4.2",
         "django==4.2.*",
         "django-celery-beat==2.7.0",
-        "nats-py==2.14.0",
+        "nats-py==2.15.0",
     ],
     "celery5.5": ["celery==5.5.3", "django==5.2.*", "django-celery-beat==2.8.1"],
     "celery5.6": ["celery==5.6.3", "django==5.2.*", "django-celery-beat==2.8.1"],
