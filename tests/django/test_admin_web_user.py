@@ -14,10 +14,8 @@ beat state or the once-guard.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from io import StringIO
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,33 +30,14 @@ from django_nats_leader import checks, conf
 from django_nats_leader.fencing import current_epoch
 from tests.django.test_admin_operations import URL, operator
 from tests.harness.candidate_control import CandidateGroup
-from tests.support import REPO
+from tests.integration.test_security import PASSWORDS, secured  # noqa: F401 - the server fixture, shared
 
 pytestmark = [pytest.mark.django_db, pytest.mark.integration]
 
-PERMISSIONS = REPO / "deploy" / "nats" / "permissions.conf"
-PASSWORDS = {
-    "worker": "w-pw-4",
-    "beat": "b-pw-4",
-    "web": "web-pw-4",
-    "viewer": "v-pw-4",
-    "admin": "a-pw-4",
-}
 #: The bucket permissions.conf is written for.
 BUCKET, ROLE = "leaders", "default"
 #: Long: nothing here is explained by a key's expiry.
 TTL = 30.0
-
-
-@pytest.fixture
-def secured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NatsServer]:
-    """A server with the documented users (passwords from its environment)."""
-    shutil.copy(PERMISSIONS, tmp_path / "permissions.conf")
-    for user, password in PASSWORDS.items():
-        monkeypatch.setenv(f"{user.upper()}_PASSWORD", password)
-    (tmp_path / "server.conf").write_text("include ./permissions.conf\n")
-    with NatsServer(extra_args=["-c", str(tmp_path / "server.conf")]) as server:
-        yield server
 
 
 def connect_as(settings: Any, server: NatsServer, user: str) -> None:
@@ -73,7 +52,7 @@ def connect_as(settings: Any, server: NatsServer, user: str) -> None:
 
 
 @pytest.fixture
-def deployed(secured: NatsServer, settings: Any) -> Iterator[CandidateGroup]:
+def deployed(secured: NatsServer, settings: Any) -> Iterator[CandidateGroup]:  # noqa: F811
     """The buckets and the events stream made by ``admin``; three candidates as ``worker``.
 
     ``cand-a`` leads; ``cand-b`` and ``cand-c`` follow it. ``NATS_LEADER``
