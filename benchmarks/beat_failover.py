@@ -3,7 +3,11 @@
 Three ``celery beat`` replicas of each scheduler, with equal settings: the
 same lock TTL (the election TTL, redbeat's ``redbeat_lock_timeout``), the same
 loop interval (``beat_max_loop_interval``), the same entries (several
-1-second interval entries) and the same Redis broker. Measured, in one run:
+1-second interval entries) and the same Redis broker. celery-nats-leader runs
+twice: by the lease alone (the default) and with fast failover
+(``nats_leader_fast_failover = True``: the leader's designated successor
+takes over about a second after it goes silent, whatever the TTL). Measured,
+in one run, for each of the three:
 
 * **crash**: the active scheduler is SIGKILLed, at a random moment or at a
   point inside the dispatch of a 1-second entry (stopped there by a hook,
@@ -29,8 +33,10 @@ one with two executions. The worker of celery-nats-leader runs the bootstep
 (``install(app)``), which runs each tick once by default; redbeat's is a
 plain Celery worker (redbeat has nothing on the worker side).
 
-Run: ``python benchmarks/beat_failover.py [--trials N]`` (needs Redis at
-``$BENCH_REDIS_URL``, default 127.0.0.1:6379, and ``nats-server``). Prints a
+Run: ``python benchmarks/beat_failover.py [--trials N | --quick]`` (needs
+Redis at ``$BENCH_REDIS_URL``, default 127.0.0.1:6379, and ``nats-server``;
+``NATS_SERVER_BIN`` picks the binary). ``--trials 3`` (the default) takes
+about 12 minutes, ``--quick`` (one trial per scenario) about 4. Prints a
 markdown table. This file is also the Celery app of the beat processes
 (``celery -A beat_failover``), configured by ``$BEAT_BENCH_CONFIG``.
 """
@@ -71,6 +77,17 @@ ENTRIES = 5  # 1-second interval entries (several due at once: a pause can cut a
 REPLICAS = 3
 #: Where the active scheduler is killed: anywhere, or inside a dispatch.
 KILL_POINTS = ("random", "before publish", "after publish")
+
+#: The schedulers compared: label, ``-S`` value, celery-nats-leader's or not,
+#: and its ``nats_leader_fast_failover``.
+LEASE = "celery-nats-leader"
+FAST = "celery-nats-leader fast failover"
+REDBEAT = "celery-redbeat"
+SCHEDULERS = (
+    (LEASE, "nats_leader", True, False),
+    (FAST, "nats_leader", True, True),
+    (REDBEAT, "beat_failover:BenchRedBeatScheduler", False, False),
+)
 
 CONFIG: dict[str, Any] = json.loads(os.environ.get("BEAT_BENCH_CONFIG", "{}"))
 NATS_VERSION = "?"
@@ -147,6 +164,7 @@ def make_app(config: dict[str, Any]) -> Any:
         nats_leader_bucket=config["bucket"],
         nats_leader_ttl=float(LOCK_TTL),
         nats_leader_required=True,
+        nats_leader_fast_failover=bool(config.get("fast_failover", False)),
         # celery-redbeat
         redbeat_redis_url=config["redis"],
         redbeat_key_prefix=config["prefix"] + "redbeat",
@@ -390,8 +408,9 @@ class Run:
             for d in self.dispatches()
             if d["entry"] == "bench-0" and killed_at <= d["mono"] <= window_end
         ]
-        if self.label == "celery-nats-leader":
-            # Exact: tick identities are slots; count the slots never sent.
+        if self.config["bootstep"]:
+            # celery-nats-leader (either variant). Exact: tick identities
+            # are slots; count the slots never sent.
             from celery_nats_leader.beat.ticks import parse_slot
 
             slots = sorted(
@@ -483,7 +502,9 @@ async def _create_buckets(url: str, bucket: str) -> None:
         await nc.close()
 
 
-def measure(label: str, scheduler: str, trials: int, nats_url: str, tmp: Path) -> Run:
+def measure(
+    label: str, scheduler: str, trials: int, nats_url: str, tmp: Path, *, ours: bool, fast: bool
+) -> Run:
     uid = uuid.uuid4().hex[:8]
     config = {
         "redis": REDIS_URL,
@@ -491,9 +512,10 @@ def measure(label: str, scheduler: str, trials: int, nats_url: str, tmp: Path) -
         "queue": f"beatbench-{uid}",
         "bucket": f"bench_{uid}",
         "nats_url": nats_url,
-        "bootstep": label == "celery-nats-leader",
+        "bootstep": ours,
+        "fast_failover": fast,
     }
-    if label == "celery-nats-leader":
+    if ours:
         asyncio.run(_create_buckets(nats_url, config["bucket"]))
     run = Run(label, scheduler, config, tmp)
     try:
@@ -519,7 +541,16 @@ def _ratio(a: float, b: float) -> str:
     return f"{b / a:.2f}×"
 
 
-def report(ours: Run, theirs: Run, trials: int) -> str:
+COLUMN = {
+    LEASE: "celery-nats-leader `LeaderScheduler`",
+    FAST: "celery-nats-leader `LeaderScheduler`, `fast_failover`",
+    REDBEAT: "celery-redbeat `RedBeatScheduler`",
+}
+
+
+def report(runs: list[Run], trials: int) -> str:
+    """The markdown table: one column per scheduler, then redbeat ÷ each of ours."""
+
     def failover(run: Run) -> tuple[float, str]:
         values = [c["failover"] for c in run.crashes]
         median = statistics.median(values)
@@ -548,24 +579,28 @@ def report(ours: Run, theirs: Run, trials: int) -> str:
         seen = Counter(p["outcome"] for kind in run.pauses.values() for p in kind)
         return ", ".join(f"{what} ×{n}" for what, n in seen.items())
 
-    f_ours, f_ours_text = failover(ours)
-    f_theirs, f_theirs_text = failover(theirs)
+    ours = [run for run in runs if run.config["bootstep"]]
+    theirs = next((run for run in runs if not run.config["bootstep"]), None)
+    ratio = ""
+    if theirs is not None and ours:
+        f_theirs = failover(theirs)[0]
+        ratio = " / ".join(_ratio(failover(run)[0], f_theirs) for run in ours)
     rows = [
         (
             f"SIGKILL of the active scheduler → next dispatch, median (min–max) of "
             f"{trials * len(KILL_POINTS)}",
-            f_ours_text,
-            f_theirs_text,
-            _ratio(f_ours, f_theirs),
+            [failover(run)[1] for run in runs],
+            ratio,
         ),
         *(
             (
                 f"SIGKILL {point}: ticks of the 1-s entry never dispatched, per kill (mean) / "
                 f"ticks sent twice / ticks run twice (totals of {trials})",
-                f"{lost(ours, point):.1f} / {resent(ours, point)} / "
-                f"{twice(crashes_at(ours, point))}",
-                f"{lost(theirs, point):.1f} / {resent(theirs, point)} / "
-                f"{twice(crashes_at(theirs, point))}",
+                [
+                    f"{lost(run, point):.1f} / {resent(run, point)} / "
+                    f"{twice(crashes_at(run, point))}"
+                    for run in runs
+                ],
                 "",
             )
             for point in KILL_POINTS
@@ -574,8 +609,7 @@ def report(ours: Run, theirs: Run, trials: int) -> str:
             (
                 f"SIGSTOP {2 * LOCK_TTL} s {where}: ticks sent twice / ticks run twice "
                 f"(totals of {trials})",
-                f"{dups(ours, kind)} / {twice(ours.pauses[kind])}",
-                f"{dups(theirs, kind)} / {twice(theirs.pauses[kind])}",
+                [f"{dups(run, kind)} / {twice(run.pauses[kind])}" for run in runs],
                 "",
             )
             for kind, where in (
@@ -585,12 +619,16 @@ def report(ours: Run, theirs: Run, trials: int) -> str:
         ),
         (
             "ticks dispatched and never run, all scenarios",
-            str(never_run(ours)),
-            str(never_run(theirs)),
+            [str(never_run(run)) for run in runs],
             "",
         ),
-        ("the paused scheduler after SIGCONT", outcome(ours), outcome(theirs), ""),
+        ("the paused scheduler after SIGCONT", [outcome(run) for run in runs], ""),
     ]
+    ratio_head = (
+        "redbeat ÷ " + " / ".join("fast failover" if r.label == FAST else "lease" for r in ours)
+        if ratio
+        else ""
+    )
     lines = [
         f"{REPLICAS} `celery beat` replicas per scheduler, {ENTRIES} entries every 1 s, "
         f"lock TTL = election TTL = {LOCK_TTL} s, `beat_max_loop_interval` = {LOOP_INTERVAL:g} s, "
@@ -598,11 +636,12 @@ def report(ours: Run, theirs: Run, trials: int) -> str:
         f"(celery-nats-leader's with the bootstep); {platform.system()} {platform.machine()}, "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, nats-server {NATS_VERSION}.",
         "",
-        "| | celery-nats-leader `LeaderScheduler` | celery-redbeat `RedBeatScheduler` "
-        "| redbeat ÷ nats-leader |",
-        "|---|---|---|---|",
+        "| | "
+        + " | ".join(COLUMN.get(run.label, run.label) for run in runs)
+        + f" | {ratio_head} |",
+        "|---" * (len(runs) + 2) + "|",
     ]
-    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    lines += [f"| {name} | {' | '.join(cells)} | {last} |" for name, cells, last in rows]
     return "\n".join(lines)
 
 
@@ -610,11 +649,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=3, help="crashes and pauses per scenario")
     parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one crash per kill point and one pause of each kind, per scheduler (--trials 1)",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=[label for label, *_ in SCHEDULERS],
+        help="measure only this scheduler (repeat for several; default: all three)",
+    )
+    parser.add_argument(
         "--json",
         metavar="PATH",
         help="also write every crash and pause to PATH, for benchmarks/plots.py",
     )
     args = parser.parse_args()
+    trials = 1 if args.quick else args.trials
     if not _reachable(REDIS_URL):
         message = f"beat_failover: Redis not reachable at {REDIS_URL} (set BENCH_REDIS_URL)"
         if os.environ.get("CI", "").lower() == "true":
@@ -627,18 +678,17 @@ def main() -> int:
 
     global NATS_VERSION  # noqa: PLW0603 - printed in the report
     NATS_VERSION = str(binary_version(find_nats_server_binary()))
+    runs = []
     with tempfile.TemporaryDirectory(prefix="beat-bench-") as tmp, NatsServer() as server:
-        ours = measure("celery-nats-leader", "nats_leader", args.trials, server.url, Path(tmp))
-        theirs = measure(
-            "celery-redbeat",
-            "beat_failover:BenchRedBeatScheduler",
-            args.trials,
-            server.url,
-            Path(tmp),
-        )
-    print(report(ours, theirs, args.trials))
+        for label, scheduler, ours, fast in SCHEDULERS:
+            if args.only and label not in args.only:
+                continue
+            runs.append(
+                measure(label, scheduler, trials, server.url, Path(tmp), ours=ours, fast=fast)
+            )
+    print(report(runs, trials))
     if args.json:
-        write_json(args.json, [ours, theirs])
+        write_json(args.json, runs)
     return 0
 
 

@@ -47,20 +47,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import nats
-from nats.js.api import KeyValueConfig
+from nats_topology import fresh_bucket, topology  # benchmarks/ is the script's own folder
 
 from celery_nats_leader import ElectionConfig, KvElection
 from celery_nats_leader.config.connection import ConnectOptions
 from celery_nats_leader.core.constants import DEFAULT_TTL_SECONDS
-from celery_nats_leader.testing import NatsCluster, NatsServer, binary_version, server_binary
+from celery_nats_leader.testing import NatsServer, binary_version, server_binary
 
 HERE = os.path.abspath(__file__)
-CLUSTER_CONF = Path(HERE).resolve().parent.parent / "deploy" / "nats" / "cluster.conf"
 BUCKET = "fleet"
 ROLE = "fleet"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -248,20 +246,11 @@ def _cpu_seconds(servers: list[NatsServer]) -> float:
     return total
 
 
-async def _create_bucket(urls: list[str], ttl: float, replicas: int) -> None:
-    nc = await nats.connect(servers=urls)
-    js = nc.jetstream()
-    with contextlib.suppress(nats.js.errors.NotFoundError):
-        await js.delete_key_value(BUCKET)
-    await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1, ttl=ttl, replicas=replicas))
-    await nc.close()
-
-
 def measure(
     servers: list[NatsServer], replicas: int, n: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     """One fleet of ``n`` candidates on a fresh bucket: every measurement of one column."""
-    asyncio.run(_create_bucket([s.url for s in servers], args.ttl, replicas))
+    asyncio.run(fresh_bucket([s.url for s in servers], BUCKET, args.ttl, replicas))
     fleet = Fleet(servers, args.ttl)
     out: dict[str, Any] = {"n": n}
     try:
@@ -406,16 +395,6 @@ def table(title: str, columns: list[dict[str, Any]]) -> None:
     for c in columns:
         if "note" in c:
             print(f"\nN = {c['n']}: crash runs stopped early ({c['note']})")
-
-
-@contextlib.contextmanager
-def topology(kind: str, binary: str) -> Iterator[tuple[list[NatsServer], int]]:
-    if kind == "single":
-        with NatsServer(binary=binary) as server:
-            yield [server], 1
-    else:
-        with NatsCluster(3, binary=binary, config_file=CLUSTER_CONF) as cluster:
-            yield cluster.servers, 3
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ Reads what ``core.py --json`` and ``beat_failover.py --json`` wrote and draws:
 
 Run::
 
-    python benchmarks/core.py --scale-roles 0 --json benchmarks/data/core.json
+    python benchmarks/core.py --only core --scale-roles 0 --json benchmarks/data/core.json
     python benchmarks/beat_failover.py --json benchmarks/data/beat_failover.json
     python benchmarks/plots.py            # writes docs/images/*.png
 

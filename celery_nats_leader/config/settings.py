@@ -116,6 +116,10 @@ class LeaderSettings:
     allow_takeover: bool = election_field("allow_takeover")
     """Ask a lower-priority leader to hand over."""
 
+    fast_failover: bool = election_field("fast_failover")
+    """A designated successor takes over about a second after the leader dies,
+    whatever the TTL (KV strategy; off by default)."""
+
     instance_id: str = election_field("instance_id")
     """This process's id; empty = host:pid:random."""
 

@@ -118,8 +118,21 @@ class Bucket(Protocol):
         """
         ...
 
+    async def keys(self, *, timeout: float) -> list[str]:
+        """Every key with an entry (a value or a marker), sorted, as the server's log has them.
+
+        Unlike :meth:`entries`, never from a copy that lags: on a replicated
+        bucket the stream's leader answers.
+        """
+        ...
+
     async def entries(self, *, timeout: float) -> list[KVEntry]:
-        """Return the latest value of every key that holds one."""
+        """Return the latest value of every key that holds one.
+
+        Read through a consumer, which the server may place on a member of a
+        replicated bucket that is still catching up: a key may be missing or
+        older. Decide nothing from it that a compare-and-set does not check.
+        """
         ...
 
     async def ttl(self, *, timeout: float) -> float:

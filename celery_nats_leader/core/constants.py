@@ -125,6 +125,42 @@ EVENTS_STREAM_PREFIX = "NATS_LEADER_EVENTS_"
 EVENT_BUFFER = 64
 RESIGN_VERB = "resign"
 
+#: Fast failover (``fast_failover``): the leader asks its designated successor
+#: for a promise on ``{prefix}.{bucket}.{role}.promise.{candidate digest}``.
+PROMISE_VERB = "promise"
+
+#: How often a leader asks its designated successor for a promise, seconds.
+PROMISE_INTERVAL_SECONDS = 0.15
+
+#: What one promise is worth: the successor takes no fast takeover before the
+#: promise's receipt plus this (its own clock). Failover after a crash takes
+#: between ``PROMISE_GRACE_SECONDS - PROMISE_INTERVAL_SECONDS`` and this, plus a write.
+PROMISE_GRACE_SECONDS = 0.9
+
+#: How much sooner than a promise runs out the leader stops counting on it,
+#: on top of the clock-rate allowance: the time between a check of
+#: ``is_leader`` and the work it allows (the lease margin's role, for the lease).
+PROMISE_MARGIN_SECONDS = 0.2
+
+#: The largest difference of clock *rates* between two hosts the fast path
+#: assumes (1 %: NTP-disciplined clocks differ by about 0.005 %). The leader
+#: counts a promise of ``G`` seconds as ``G x (1 - 2 x CLOCK_RATE_BOUND)`` and
+#: checks every successor's replies against the bound (docs/design.md).
+CLOCK_RATE_BOUND = 0.01
+
+#: A leader whose promises would run out within this many seconds names no
+#: successor (one renewal with ``successor`` unset): it goes on under its KV
+#: lease, and the role fails over by the TTL until a successor answers again.
+PROMISE_REVOKE_LEAD_SECONDS = 0.25
+
+#: Seconds a leader waits before asking a candidate for a promise again after
+#: it did not answer (or after the successor was dropped).
+PROMISE_RETRY_SECONDS = 1.0
+
+#: Seconds a candidate whose answers broke the clock-rate bound is not
+#: designated successor again (the leader logs it at ERROR).
+RATE_REFUSAL_SECONDS = 60.0
+
 #: How long a roster request collects answers from live candidates, seconds.
 DEFAULT_ROSTER_WINDOW_SECONDS = 0.25
 

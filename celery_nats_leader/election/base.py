@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import random
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery_nats_leader.config import ElectionConfig
@@ -175,6 +176,10 @@ class BaseElection(abc.ABC):
         # services must be told to stop at that instant, not after the
         # callbacks queued before them).
         self._transition_hooks: list[TransitionHook] = []
+        # Called synchronously on the loop whenever the lease deadline moves
+        # (a renewal, a successor's promise): a copy of the deadline kept
+        # elsewhere (a worker's pool children) must never outlast this one.
+        self._lease_listeners: list[Callable[[], None]] = []
         # Why the term is ending, set just before the state leaves LEADER so
         # that the hooks can tell the services (consumed by _set_state).
         self._ending_reason: DemoteReason | None = None
@@ -374,6 +379,24 @@ class BaseElection(abc.ABC):
         """Stop calling ``hook`` (no error if it was not added)."""
         with contextlib.suppress(ValueError):
             self._transition_hooks.remove(hook)
+
+    def add_lease_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` synchronously on the loop whenever the lease deadline moves.
+
+        For a copy of the deadline kept outside the election (the worker's
+        shared block that its pool children read): with fast failover the
+        deadline moves with every promise, and it can move *earlier* (a
+        successor designated), so the copy is refreshed at that instant.
+        Read :attr:`lease_remaining` in it.
+        """
+        self._lease_listeners.append(listener)
+
+    def _lease_moved(self) -> None:
+        for listener in list(self._lease_listeners):
+            try:
+                listener()
+            except Exception:
+                self._logger.exception("%s: lease listener %r raised", self.role, listener)
 
     @property
     def recorded_state(self) -> ElectionState:

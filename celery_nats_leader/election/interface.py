@@ -7,6 +7,7 @@ depend only on this, so they work unchanged on the KV strategy
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from celery_nats_leader.config import ElectionConfig
@@ -110,6 +111,10 @@ class LeaderElection(Protocol):
 
     def leading(self, timeout: float | None = None) -> LeadingScope:
         """An ``async with`` block run while leading, cancelled when the term ends."""
+        ...
+
+    def add_lease_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` on the loop whenever the lease deadline moves."""
         ...
 
     async def start(self, *, wait: float | None = None) -> None:

@@ -52,6 +52,12 @@ from celery_nats_leader.election.base import BaseElection
 from celery_nats_leader.election.follower_view import FollowerView
 from celery_nats_leader.election.moves import BucketMarks
 from celery_nats_leader.election.roster import Roster
+from celery_nats_leader.election.successor import (
+    PromiseLedger,
+    RateCheck,
+    SuccessorBounds,
+    candidate_digest,
+)
 from celery_nats_leader.election.vocabulary import DemoteReason, ElectionState, control_subject
 from celery_nats_leader.term import read_term
 from celery_nats_leader.term.current import term_of
@@ -127,6 +133,29 @@ class KvElection(BaseElection):
         # Set while the connection is down; the roster starts afresh once it is back.
         self._connection_lost = False
         self._hello_due = False
+
+        # Fast failover (election/successor.py, docs/design.md). As a
+        # follower: the promises given, the designation seen. As the leader:
+        # until when no successor can take over, the designation our record
+        # carries (written, and first sent), and the one it should carry.
+        self._ledger = PromiseLedger(grace=c.PROMISE_GRACE_SECONDS)
+        self._known_epoch = 0
+        self._bounds = SuccessorBounds(
+            grace=c.PROMISE_GRACE_SECONDS,
+            rate_bound=c.CLOCK_RATE_BOUND,
+            margin=c.PROMISE_MARGIN_SECONDS,
+        )
+        self._rates = RateCheck(rate_bound=c.CLOCK_RATE_BOUND)
+        self._kv_lease_deadline = 0.0
+        self._successor: tuple[str, str] | None = None
+        self._sent_successor: tuple[str, str] | None = None
+        self._written_successor: tuple[str, str] | None = None
+        self._designation_due = False
+        self._next_probe_at = 0.0
+        self._not_designated_until: dict[str, float] = {}
+        self._promise_task: asyncio.Task[None] | None = None
+        # Names this process in its promises (a restarted successor is a new run).
+        self._run_id = uuid.uuid4().hex
 
         self._backoff = Backoff(
             breaker_cooldown=min(
@@ -205,6 +234,12 @@ class KvElection(BaseElection):
                 control_subject(cfg.bucket, cfg.role, c.RESIGN_VERB), self._on_resign_request
             )
         )
+        if cfg.fast_failover:
+            # Only candidates that take over fast answer: a leader must not
+            # count on a promise from one that would wait out the TTL anyway.
+            self._subscriptions.append(
+                await backend.subscribe(self._promise_subject(cfg.instance_id), self._on_promise)
+            )
         now = self._clock.monotonic()
         self._view.start(now)
         self._last_read_at = now
@@ -245,12 +280,21 @@ class KvElection(BaseElection):
             # let it delete the key, or the successor waits out the TTL.
             await asyncio.wait({hand_over})
         if was_leader and token is not None:
+            keeper = self._keep_successors_waiting(token)
             self._drop_term(DemoteReason.STOPPED)
             self._set_state(ElectionState.STOPPED)
-            returned = await self._demote_callbacks_done(self._notify_demoted(DemoteReason.STOPPED))
-            if self.config.release_on_stop and returned:
-                # Conditional on our revision: never deletes a successor's record.
-                await self._delete_own_key(token, revision)
+            try:
+                if keeper is not None:
+                    revision = await self._unname_successor(token, revision)
+                returned = await self._demote_callbacks_done(
+                    self._notify_demoted(DemoteReason.STOPPED)
+                )
+                if self.config.release_on_stop and returned:
+                    # Conditional on our revision: never deletes a successor's record.
+                    await self._delete_own_key(token, revision)
+            finally:
+                if keeper is not None:
+                    keeper.cancel()
         self._set_state(ElectionState.STOPPED)
         await self._announce({"bye": {"id": self.config.instance_id}})
         await self._teardown()
@@ -324,6 +368,9 @@ class KvElection(BaseElection):
             "lease_margin": self.config.lease_margin,
             "last_heartbeat_age": round(now - self._last_confirmed_send, 3) if leading else None,
             "leader_id": self.leader_id,
+            "successor": (
+                self._written_successor[0] if leading and self._written_successor else None
+            ),
             "meta": dict(self.config.meta),
             "observed_revision": self._view.revision if watching else None,
             "leader_expires_within": (
@@ -364,7 +411,12 @@ class KvElection(BaseElection):
             )
         return term.record
 
-    def _record_bytes(self, token: FencingToken | str, epoch: int | None) -> bytes:
+    def _record_bytes(
+        self,
+        token: FencingToken | str,
+        epoch: int | None,
+        successor: tuple[str, str] | None = None,
+    ) -> bytes:
         value = token.value if isinstance(token, FencingToken) else token
         return encode_record(
             instance_id=self.instance_id,
@@ -372,6 +424,8 @@ class KvElection(BaseElection):
             epoch=epoch,
             priority=self.config.priority,
             meta=self.config.meta,
+            successor=successor[0] if successor is not None else None,
+            successor_nonce=successor[1] if successor is not None else None,
         )
 
     def _campaign_delay(self, leaving: str | None = None) -> float:
@@ -422,6 +476,10 @@ class KvElection(BaseElection):
             self._connection_lost = True
         elif self._connection_lost:
             self._connection_lost = False
+            # Requests sent to us while we were away were lost, and the
+            # leader may only now be reconnecting too: no fast takeover for a
+            # promise's worth, as if it had promised (liveness, not safety).
+            self._ledger.stay_quiet(self._clock.monotonic() + c.PROMISE_GRACE_SECONDS)
             self._roster.reset()
             if self._leader is not None:
                 self._roster.heard(self._leader.id, self._leader.priority, self._clock.monotonic())
@@ -457,8 +515,22 @@ class KvElection(BaseElection):
             authoritative=authoritative,
         ):
             return
+        if record is not None:
+            self._known_epoch = max(self._known_epoch, record.epoch)
+        self._ledger.saw(
+            entry.revision if entry is not None else 0,
+            record.successor if present and record is not None and not fence else None,
+            record.successor_nonce if present and record is not None and not fence else None,
+            self.instance_id,
+            now,
+        )
         if present and not fence:
             self._leader = record
+            if self._waiting_for_old_term and record is not None:
+                # A term on this bucket: the old bucket's has ended (nobody
+                # campaigns here before it has), and a replica that waited
+                # for it may serve as a successor again.
+                self._waiting_for_old_term = False
             # Someone else holds the role: we follow, and start() may return.
             # (Without this, a candidate that learned of the leader from the
             # watch before its first campaign waited a whole TTL in start().)
@@ -539,7 +611,15 @@ class KvElection(BaseElection):
             return
         if self._view.present and self._leader is not None and self._moved_to is None:
             await self._maybe_take_over(self._leader.id, self._leader.priority, now)
-        campaign_at = max(self._view.campaign_at, self._sit_out_until)
+        fast_at = self._fast_takeover_at()
+        if now > fast_at + c.PROMISE_INTERVAL_SECONDS:
+            # Woken this late, our own loop stalled (a GC pause, a busy
+            # host): promise requests may be waiting unread. Let them in
+            # before counting the leader silent (liveness: a promise the
+            # leader never got an answer to is not counted by it).
+            self._ledger.stay_quiet(now + 2 * c.PROMISE_INTERVAL_SECONDS)
+            fast_at = self._fast_takeover_at()
+        campaign_at = max(min(self._view.campaign_at, fast_at), self._sit_out_until)
         if self._moved_to is not None:
             campaign_at = math.inf  # the role's terms are the new bucket's now
         resync_at = self._last_read_at + cfg.resync_interval
@@ -594,6 +674,21 @@ class KvElection(BaseElection):
             self._observe(entry, authoritative=True)
 
     async def _campaign(self) -> None:
+        attempt = self._ledger.attempt_revision
+        await self._campaign_once()
+        if self._ledger.attempt_revision is not None and self._state is not ElectionState.LEADER:
+            # A fast takeover with no known outcome: it may be sent again (the
+            # same write on the same revision), paced like any failed campaign.
+            self._ledger.stay_quiet(self._view.campaign_at)
+            if attempt is None:
+                logger.info(
+                    "%s: the fast takeover at revision %d got no answer; trying it again at "
+                    "that revision (no promise is given meanwhile)",
+                    self.role,
+                    self._ledger.attempt_revision,
+                )
+
+    async def _campaign_once(self) -> None:
         assert self._bucket is not None
         cfg = self.config
         self._set_state(ElectionState.CANDIDATE)
@@ -606,10 +701,24 @@ class KvElection(BaseElection):
         send = self._clock.monotonic()
         free_revision = self._view.free_revision
         expired = self._view.expired_revision(send)
+        fast = expired is None and send >= self._fast_takeover_at()
         if expired is not None:
             free_revision = await self._delete_expired(expired)
             if free_revision is None:
                 return
+        elif fast:
+            # The designated successor's takeover: one compare-and-set on the
+            # revision that names us. Our promises have run out, so the
+            # leader stopped counting on them before now (docs/design.md);
+            # a renewal or a new designation meanwhile makes the write fail.
+            free_revision = self._view.revision
+            self._ledger.attempting(free_revision)
+            logger.info(
+                "%s: the leader %s asked for no promise for %.3fs; taking over (fast failover)",
+                self.role,
+                self._leader.id if self._leader is not None else "?",
+                send - self._ledger.promised_until + c.PROMISE_GRACE_SECONDS,
+            )
         try:
             revision = await self._claim(self._record_bytes(token_value, None), free_revision)
         except KeyExistsError:
@@ -641,6 +750,8 @@ class KvElection(BaseElection):
             raise
         except NotConnectedError:
             # Nothing was sent, so nothing to back off from: look again soon.
+            if fast:
+                self._ledger.attempt_revision = None  # no write of ours can land
             self._set_state(ElectionState.FOLLOWER)
             self._view.retry_at(self._clock.monotonic() + min(0.25, cfg.heartbeat_interval / 4))
             return
@@ -832,6 +943,13 @@ class KvElection(BaseElection):
                     self._migrated_from,
                 )
             return True
+        if self._waiting_for_old_term:
+            # The wait is over: the replica may serve as a successor again
+            # (_on_promise refuses while it waits).
+            self._waiting_for_old_term = False
+            logger.info(
+                "%s: the term on the old bucket %r has ended", self.role, self._migrated_from
+            )
         self._old_bucket_seen_free = self._migrated_from
         self._migrated_from = None
         self._old_bucket = None
@@ -1023,6 +1141,17 @@ class KvElection(BaseElection):
         self._token = token
         self._revision = revision
         self._term_started_at = now
+        self._known_epoch = max(self._known_epoch, token.epoch)
+        self._ledger.saw(revision, None, None, cfg.instance_id, now)
+        if self._leader is not None and self._leader.id != cfg.instance_id:
+            # The holder of the term we replace is not a successor: if it
+            # is alive it will announce itself again.
+            self._roster.forget(self._leader.id)
+        self._bounds.reset()
+        self._rates.forget()
+        self._successor = self._sent_successor = self._written_successor = None
+        self._designation_due = False
+        self._next_probe_at = now
         # Every renewal of the term writes the same bytes: encode them once.
         self._renewal_value = self._record_bytes(token, token.epoch)
         self._confirm(send)
@@ -1048,6 +1177,11 @@ class KvElection(BaseElection):
             self._callbacks.submit(self._change_callbacks, self._leader)
         self._notify_promoted(token)
         self._watch_health(token)
+        if cfg.fast_failover:
+            # A task of its own: a promise must not wait behind a renewal.
+            self._promise_task = asyncio.get_running_loop().create_task(
+                self._promise_loop(token), name=f"promises-{self.role}"
+            )
 
     def _confirm(self, send: float) -> None:
         """A write of ours is known stored: the lease runs from its send time.
@@ -1059,8 +1193,17 @@ class KvElection(BaseElection):
             send = min(send, self._unconfirmed_send)
             self._unconfirmed_send = None
         self._last_confirmed_send = max(self._last_confirmed_send, send)
-        self._lease_deadline = send + self.config.lease_seconds
+        self._kv_lease_deadline = send + self.config.lease_seconds
+        self._refresh_deadline()
+
+    def _refresh_deadline(self) -> None:
+        """The lease deadline: the KV lease, or sooner a designated successor's promises."""
+        deadline = min(self._kv_lease_deadline, self._bounds.deadline())
+        moved = deadline != self._lease_deadline
+        self._lease_deadline = deadline
         self._arm_deadline_timer()
+        if moved:
+            self._lease_moved()
 
     def _arm_deadline_timer(self) -> None:
         """Demote exactly at the lease deadline, whatever the lead loop is awaiting.
@@ -1094,6 +1237,15 @@ class KvElection(BaseElection):
         if self._lease_valid():
             self._arm_deadline_timer()  # renewed meanwhile (or an injected clock)
             return
+        if self._lease_deadline < self._kv_lease_deadline:
+            logger.warning(
+                "%s: the designated successor's promises ran out (none answered for %.3fs); "
+                "stepping down so that it may take over",
+                self.role,
+                self._clock.monotonic() - self._lease_deadline + self._bounds.promise_worth,
+            )
+            self._demote(DemoteReason.LEASE_EXPIRED)
+            return
         logger.warning(
             "%s: no renewal confirmed for %.3fs; lease over, stepping down",
             self.role,
@@ -1115,6 +1267,11 @@ class KvElection(BaseElection):
         self._ending_reason = reason
         self._token = None
         self._lease_deadline = 0.0
+        self._kv_lease_deadline = 0.0
+        self._bounds.reset()
+        if self._promise_task is not None:
+            self._promise_task.cancel()
+            self._promise_task = None
         # A renewal of this term whose outcome is unknown says nothing about
         # the next term's record: left set, it would date that lease back.
         self._unconfirmed_send = None
@@ -1168,7 +1325,7 @@ class KvElection(BaseElection):
                     )
                 )
                 continue
-            if now >= next_renew:
+            if now >= next_renew or self._designation_due:
                 next_renew = await self._renew()
                 continue
             if next_validation is not None and now >= next_validation:
@@ -1207,10 +1364,24 @@ class KvElection(BaseElection):
         token = self._token
         send = self._clock.monotonic()
         timeout = max(0.001, min(cfg.request_timeout, self._lease_deadline - send))
+        designation = self._successor
+        self._designation_due = False
+        value = self._renewal_value
+        if designation != self._written_successor:
+            value = self._record_bytes(token, token.epoch, designation)
+        # Until a later write is confirmed, this one may be the key's
+        # revision: its successor's bound counts from now on.
+        self._bounds.writing(
+            designation[0] if designation is not None else None,
+            new_designation=designation is not None and designation != self._sent_successor,
+            sent=send,
+        )
+        self._sent_successor = designation
+        self._refresh_deadline()
         try:
             revision = await self._bucket.update(
                 cfg.role,
-                self._renewal_value,
+                value,
                 last=self._revision,
                 timeout=timeout,
             )
@@ -1239,6 +1410,11 @@ class KvElection(BaseElection):
         self._observer.heartbeat(self.role, self.instance_id, self._clock.monotonic() - send, True)
         self._revision = revision
         self._view.observe(revision, True, self._clock.monotonic(), 0.0)
+        if value is not self._renewal_value:
+            self._renewal_value = value
+            self._written_successor = designation
+            logger.debug("%s: designated successor: %s", self.role, designation)
+        self._bounds.confirmed(designation[0] if designation is not None else None)
         self._confirm(send)
         self._backoff.success()
         logger.debug("%s: renewed at revision %d", self.role, revision)
@@ -1265,8 +1441,22 @@ class KvElection(BaseElection):
         record = self._decode(entry) if entry is not None else None
         if entry is not None and record is not None and record.token == token.value:
             if entry.revision != self._revision:
-                # Our write landed after all.
+                # Our write landed after all. It is the key's revision now: no
+                # earlier one can be written on, so only its successor counts.
                 self._revision = entry.revision
+                landed = (
+                    (record.successor, record.successor_nonce)
+                    if record.successor is not None and record.successor_nonce is not None
+                    else None
+                )
+                self._bounds.confirmed(record.successor)
+                self._renewal_value = entry.value or b""
+                self._written_successor = landed
+                if landed != self._successor:
+                    # It names a successor since dropped (or another than
+                    # the one now chosen): write the record again, or the
+                    # dropped one's bound would end the term.
+                    self._designation_due = True
                 self._confirm(send)
                 return send + cfg.heartbeat_interval
             return self._clock.monotonic() + min(
@@ -1290,6 +1480,7 @@ class KvElection(BaseElection):
         if self._state is not ElectionState.LEADER or token is None:
             return
         self._release_reason = None
+        keeper = self._keep_successors_waiting(token)
         self._drop_term(reason)
         # Sit out one TTL so that someone else takes the role.
         self._sit_out_until = self._clock.monotonic() + self.config.ttl
@@ -1300,16 +1491,99 @@ class KvElection(BaseElection):
         # main loop, and a release cancelled there left the key in place, so
         # the successor waited a whole TTL instead of milliseconds.
         hand_over = asyncio.get_running_loop().create_task(
-            self._hand_over(reason, token, revision), name=f"release-{self.role}"
+            self._hand_over(reason, token, revision, keeper), name=f"release-{self.role}"
         )
         self._hand_over_task = hand_over
         await asyncio.shield(hand_over)
         self.wake()
 
-    async def _hand_over(self, reason: DemoteReason, token: FencingToken, revision: int) -> None:
+    async def _hand_over(
+        self,
+        reason: DemoteReason,
+        token: FencingToken,
+        revision: int,
+        keeper: asyncio.Task[None] | None = None,
+    ) -> None:
         """The release proper: demote callbacks, then the key goes."""
-        if await self._demote_callbacks_done(self._notify_demoted(reason)):
-            await self._delete_own_key(token, revision)
+        try:
+            if keeper is not None:
+                revision = await self._unname_successor(token, revision)
+            if await self._demote_callbacks_done(self._notify_demoted(reason)):
+                await self._delete_own_key(token, revision)
+        finally:
+            if keeper is not None:
+                keeper.cancel()
+
+    def _keep_successors_waiting(self, token: FencingToken) -> asyncio.Task[None] | None:
+        """A release with a successor named: keep it from taking over until the key goes.
+
+        The term's promise task ends with the term, before the demote
+        callbacks (and the services' grace) have run; a successor whose last
+        promise then ran out would take over while they still run. So until
+        the release is done, the successors a current revision may name are
+        still asked for promises (an answer only delays them: nothing counts
+        on it), and the record is rewritten without a successor first
+        (:meth:`_unname_successor`).
+        """
+        candidates = self._bounds.candidates
+        if not candidates or self._backend is None:
+            return None
+        backend = self._backend
+        subjects = [self._promise_subject(candidate) for candidate in sorted(candidates)]
+        body = self._promise_request(token)
+
+        async def keep_asking() -> None:
+            while True:
+                started = self._clock.monotonic()
+                for subject in subjects:
+                    with contextlib.suppress(ElectionError):
+                        await backend.request(
+                            subject, body, timeout=c.PROMISE_INTERVAL_SECONDS / len(subjects)
+                        )
+                delay = started + c.PROMISE_INTERVAL_SECONDS - self._clock.monotonic()
+                await asyncio.sleep(max(0.0, delay))
+
+        return asyncio.get_running_loop().create_task(
+            keep_asking(), name=f"promises-release-{self.role}"
+        )
+
+    async def _unname_successor(self, token: FencingToken, revision: int) -> int:
+        """Rewrite our record without a successor; return the revision to delete at.
+
+        After it is stored no takeover on an earlier revision can succeed,
+        whether or not the successor still hears from us. If it fails, the
+        record is deleted at its old revision (or, that failing, if it still
+        carries our token: :meth:`_delete_own_key`).
+        """
+        assert self._bucket is not None
+        timeout = self.config.request_timeout
+        value = self._record_bytes(token, token.epoch)
+        try:
+            return await self._bucket.update(self.role, value, last=revision, timeout=timeout)
+        except RevisionMismatchError:
+            pass
+        except ElectionError as exc:
+            logger.debug("%s: could not name no successor before the release: %s", self.role, exc)
+            return revision
+        # Our revision is stale (a renewal in flight, cancelled or timed out,
+        # landed): rewrite at the key's revision if it still carries our token.
+        try:
+            current = await self._own_revision(token)
+            if current is None:
+                return revision
+            return await self._bucket.update(self.role, value, last=current, timeout=timeout)
+        except ElectionError as exc:
+            logger.debug("%s: could not name no successor before the release: %s", self.role, exc)
+            return revision
+
+    async def _own_revision(self, token: FencingToken) -> int | None:
+        """The key's revision if it still carries ``token`` (read now), else ``None``."""
+        assert self._bucket is not None
+        entry = await self._bucket.get(self.role, timeout=self.config.request_timeout)
+        record = self._decode(entry) if entry is not None else None
+        if entry is None or record is None or record.token != token.value:
+            return None
+        return entry.revision
 
     async def _delete_own_key(self, token: FencingToken, revision: int) -> None:
         """Delete the key only at our revision: never a successor's record."""
@@ -1328,13 +1602,215 @@ class KvElection(BaseElection):
         # Our revision is stale (a renewal in flight may have landed): delete
         # only if the key still carries our token.
         try:
-            entry = await self._bucket.get(self.role, timeout=timeout)
-            record = self._decode(entry) if entry is not None else None
-            if entry is not None and record is not None and record.token == token.value:
-                await self._bucket.delete(self.role, last=entry.revision, timeout=timeout)
+            current = await self._own_revision(token)
+            if current is not None:
+                await self._bucket.delete(self.role, last=current, timeout=timeout)
                 logger.info("%s: released the key (epoch %d)", self.role, token.epoch)
         except ElectionError as exc:
             logger.warning("%s: could not release the key (%s); it will expire", self.role, exc)
+
+    # ------------------------------------------------------- fast failover
+
+    def _promise_subject(self, candidate: str) -> str:
+        cfg = self.config
+        verb = f"{c.PROMISE_VERB}.{candidate_digest(candidate)}"
+        return control_subject(cfg.bucket, cfg.role, verb)
+
+    def _promise_request(self, token: FencingToken) -> bytes:
+        """The body of a promise request: who asks, for which term (see ``_on_promise``)."""
+        return json.dumps({"leader": self.instance_id, "epoch": token.epoch}).encode()
+
+    def _fast_takeover_at(self) -> float:
+        """When this follower, as the designated successor, may take over (else ``inf``)."""
+        leader = self._leader
+        if (
+            not self.config.fast_failover
+            or not self._view.present
+            or leader is None
+            or leader.successor != self.instance_id
+            or leader.revision != self._view.revision
+            or self._moved_to is not None
+            or self._backend is None
+            or not self._backend.is_connected
+        ):
+            return math.inf
+        return self._ledger.takeover_at(leader.successor_nonce, self._view.revision)
+
+    async def _on_promise(self, data: bytes, reply: str | None) -> None:
+        """A leader asks us, its designated successor, not to take over for a while."""
+        if reply is None or self._backend is None:
+            return
+        now = self._clock.monotonic()
+        try:
+            body = json.loads(data)
+            epoch = int(body["epoch"])
+        except (ValueError, TypeError, KeyError):
+            return
+        # A candidate that would not take over anyway (sitting out after a
+        # resign, moved to a new bucket, waiting for an old bucket's term)
+        # refuses: the leader names another instead of counting on it.
+        eligible = (
+            self._state in (ElectionState.FOLLOWER, ElectionState.CANDIDATE)
+            and now >= self._sit_out_until
+            and self._moved_to is None
+            and not self._waiting_for_old_term
+        )
+        given = eligible and self._ledger.promise(now, epoch=epoch, known_epoch=self._known_epoch)
+        with contextlib.suppress(ElectionError):
+            await self._respond(reply, {"ok": given, "at": now, "run": self._run_id})
+
+    async def _promise_loop(self, token: FencingToken) -> None:
+        """As the leader: keep a successor designated, and its promises coming.
+
+        Every ``PROMISE_INTERVAL_SECONDS``: ask the designated successor for
+        a promise; with none designated, ask the first candidate in line and
+        designate it once it has answered. A successor whose promises would
+        run out within ``PROMISE_REVOKE_LEAD_SECONDS`` is dropped (a renewal
+        naming none): the leader then goes on under its KV lease alone.
+        """
+        while self._token is token and self._state is ElectionState.LEADER:
+            started = self._clock.monotonic()
+            try:
+                await self._promise_round(token, started)
+            except Exception:
+                # Not silently: a leader whose promises stop steps down.
+                logger.exception("%s: asking the successor for a promise failed", self.role)
+            delay = started + c.PROMISE_INTERVAL_SECONDS - self._clock.monotonic()
+            await asyncio.sleep(max(0.0, delay))
+
+    async def _promise_round(self, token: FencingToken, started: float) -> None:
+        """One round of :meth:`_promise_loop`."""
+        successor = self._successor
+        if successor is not None:
+            await self._ask_promise(successor[0], token)
+            now = self._clock.monotonic()
+            if (
+                self._token is token
+                and self._successor is successor
+                and self._bounds.deadline() - now < c.PROMISE_REVOKE_LEAD_SECONDS
+            ):
+                logger.warning(
+                    "%s: the designated successor %s has not answered for %.3fs; naming "
+                    "none (until one answers, the role fails over by the TTL)",
+                    self.role,
+                    successor[0],
+                    now - self._bounds.deadline() + self._bounds.promise_worth,
+                )
+                self._drop_successor(now)
+            return
+        if started < self._next_probe_at:
+            return
+        asked_roster = False
+        # Down the line within the round: after a failover the roster still
+        # lists the dead leader's process for a few heartbeats, and a
+        # candidate gone from the server refuses at once (no responders).
+        while (
+            self._token is token and self._clock.monotonic() - started < c.PROMISE_INTERVAL_SECONDS
+        ):
+            now = self._clock.monotonic()
+            # Expired exclusions go (ids of candidates long gone would pile up).
+            self._not_designated_until = {
+                cid: until for cid, until in self._not_designated_until.items() if until > now
+            }
+            excluded = frozenset(self._not_designated_until)
+            candidate = self._roster.first_in_line(now, excluded=excluded)
+            if candidate is None and not asked_roster:
+                # Candidates announce themselves once at start and
+                # then only every heartbeat (a hello that reached
+                # nobody yet, a roster reset by a reconnect): ask.
+                asked_roster = True
+                await self._ask_roster()
+                candidate = self._roster.first_in_line(self._clock.monotonic(), excluded=excluded)
+            if candidate is None:
+                self._next_probe_at = started + c.PROMISE_RETRY_SECONDS
+                return
+            if await self._ask_promise(candidate, token):
+                if self._token is token and self._successor is None:
+                    self._successor = (candidate, uuid.uuid4().hex)
+                    self._designation_due = True
+                    self.wake()
+                return
+            # Gone, or a candidate without fast failover: the next in
+            # line now, this one again later (not sooner than a refusal
+            # of its clock's rate, which _ask_promise has set).
+            self._not_designated_until[candidate] = max(
+                self._not_designated_until.get(candidate, 0.0), now + c.PROMISE_RETRY_SECONDS
+            )
+
+    async def _ask_roster(self) -> None:
+        """Ask the role's candidates to describe themselves; note the live ones in the roster."""
+        if self._backend is None:
+            return
+        cfg = self.config
+        try:
+            answers = await self._backend.request_many(
+                control_subject(cfg.bucket, cfg.role, c.ROSTER_VERB),
+                b"{}",
+                window=c.PROMISE_INTERVAL_SECONDS,
+            )
+        except ElectionError:
+            return
+        now = self._clock.monotonic()
+        for data in answers:
+            try:
+                answer = json.loads(data)
+            except ValueError:
+                continue
+            if (
+                isinstance(answer, dict)
+                and isinstance(answer.get("id"), str)
+                and answer["id"] != cfg.instance_id
+                and answer.get("state")
+                in (ElectionState.FOLLOWER.value, ElectionState.CANDIDATE.value)
+            ):
+                self._roster.heard(answer["id"], _priority(answer), now)
+
+    def _drop_successor(self, now: float) -> None:
+        self._successor = None
+        self._designation_due = True
+        self._next_probe_at = now + c.PROMISE_RETRY_SECONDS
+        self.wake()
+
+    async def _ask_promise(self, candidate: str, token: FencingToken) -> bool:
+        """Ask ``candidate`` for a promise; count it if it comes. Returns whether it did."""
+        if self._backend is None:
+            return False
+        body = self._promise_request(token)
+        sent = self._clock.monotonic()
+        try:
+            data = await self._backend.request(
+                self._promise_subject(candidate), body, timeout=c.PROMISE_INTERVAL_SECONDS
+            )
+        except ElectionError:
+            return False
+        answered = self._clock.monotonic()
+        try:
+            answer = json.loads(data)
+            given = answer["ok"] is True
+            received = float(answer["at"])
+            run = str(answer["run"])
+        except (ValueError, TypeError, KeyError):
+            return False
+        if not given or self._token is not token:
+            return False
+        if not self._rates.plausible(f"{candidate}/{run}", sent, received, answered):
+            logger.error(
+                "%s: the clock of candidate %s runs at a rate more than %g%% off this "
+                "process's (its answers drift against the elapsed time); fast failover is not "
+                "safe with it, and it is not designated for %gs. Check the hosts' clocks",
+                self.role,
+                candidate,
+                c.CLOCK_RATE_BOUND * 100,
+                c.RATE_REFUSAL_SECONDS,
+            )
+            self._not_designated_until[candidate] = answered + c.RATE_REFUSAL_SECONDS
+            self._rates.forget()
+            if self._successor is not None and self._successor[0] == candidate:
+                self._drop_successor(answered)
+            return False
+        self._bounds.promised(candidate, sent)
+        self._refresh_deadline()
+        return True
 
     async def _announce(self, body: dict[str, Any]) -> None:
         if self._backend is None:

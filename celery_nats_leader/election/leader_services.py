@@ -27,7 +27,9 @@ the old leader's service is told to stop at its lease deadline
 (``send + ttl - lease_margin``) and the successor cannot win before
 ``send + ttl``: a service that returns within ``lease_margin`` of being
 told never overlaps its successor. ``grace`` therefore defaults to the
-role's ``lease_margin``.
+role's ``lease_margin``; with fast failover to the promise margin
+(0.2 s), when shorter: a successor may start that long after the old
+leader's promises ran out.
 
 Example::
 
@@ -55,6 +57,8 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from celery_nats_leader.config import ElectionConfig
+from celery_nats_leader.core import constants as c
 from celery_nats_leader.core.errors import LeadershipLostError
 from celery_nats_leader.election.vocabulary import DemoteReason, ElectionState, ServiceHost
 
@@ -72,6 +76,18 @@ ServiceFunction = Callable[["LeaderContext"], "Awaitable[None] | None"]
 _FIRST_RESTART_DELAY = 1.0
 #: Longest pause between restarts of a service that keeps raising, seconds.
 _MAX_RESTART_DELAY = 30.0
+
+
+def default_grace(config: ElectionConfig) -> float:
+    """How long a stopping service is waited for, unless its runner says otherwise.
+
+    The time between the old leader's end and the earliest moment a
+    successor may start: ``lease_margin`` after a lost lease; with fast
+    failover, the promise margin (``PROMISE_MARGIN_SECONDS``), the shorter.
+    """
+    if config.fast_failover:
+        return min(config.lease_margin, c.PROMISE_MARGIN_SECONDS)
+    return config.lease_margin
 
 
 class LeaderContext:
@@ -193,7 +209,8 @@ class LeaderServiceRunner:
             or a plain function (a thread of its own).
         name: Used in logs and thread names; default the function's name.
         grace: Seconds a stopping service is waited for before the election
-            goes on (releases its key); default the role's ``lease_margin``.
+            goes on (releases its key); default the role's ``lease_margin``
+            (with fast failover, at most 0.2 s: :func:`default_grace`).
 
     """
 
@@ -208,7 +225,7 @@ class LeaderServiceRunner:
         self.election = election
         self.service = service
         self.name = name or getattr(service, "__qualname__", None) or repr(service)
-        self.grace = election.config.lease_margin if grace is None else float(grace)
+        self.grace = default_grace(election.config) if grace is None else float(grace)
         self.is_async = inspect.iscoroutinefunction(service)
         self.runs = 0
         """How many times the service was started."""

@@ -96,3 +96,22 @@ class Roster:
             if priority == self.own_priority and candidate_id < self.own_id
         )
         return max(0, best - self.own_priority), rank
+
+    def first_in_line(self, now: float, *, excluded: frozenset[str] = frozenset()) -> str | None:
+        """The live candidate (not this one) that would campaign first for the next term.
+
+        The leader's choice of a designated successor: the same order the
+        followers keep among themselves (priority, then id).
+
+        Args:
+            now: The candidate's clock.
+            excluded: Candidates not to choose.
+
+        Returns:
+            Its id, or ``None`` when no other live candidate is known.
+
+        """
+        live = self.live(now)
+        live.pop(self.own_id, None)
+        eligible = [(-priority, cid) for cid, priority in live.items() if cid not in excluded]
+        return min(eligible)[1] if eligible else None

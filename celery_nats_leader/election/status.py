@@ -17,7 +17,7 @@ from typing import Any
 
 from celery_nats_leader.config import Strategy
 from celery_nats_leader.core import constants as c
-from celery_nats_leader.core.backend import Backend
+from celery_nats_leader.core.backend import Backend, KVEntry
 from celery_nats_leader.core.constants import DEFAULT_ROSTER_WINDOW_SECONDS, ROSTER_VERB
 from celery_nats_leader.core.errors import ElectionError
 from celery_nats_leader.election.vocabulary import control_subject
@@ -68,6 +68,8 @@ class RoleStatus:
             reader or a live follower first saw the current revision).
         fenced: For a key holding an operator's fence marker: the term it
             ended (``id``, ``epoch``, ``by``). Nobody leads.
+        successor: With fast failover, the candidate the leader's record
+            names to take over (docs/design.md); ``None`` otherwise.
 
     """
 
@@ -84,6 +86,7 @@ class RoleStatus:
     answering: bool | None = None
     expires_within: float | None = None
     fenced: dict[str, Any] | None = None
+    successor: str | None = None
 
     @property
     def has_leader(self) -> bool:
@@ -122,6 +125,7 @@ async def _read_roles(
     bucket: str,
     *,
     roles: Iterable[str] = (),
+    every_key: bool = True,
     timeout: float = 5.0,
     roster_window: float = DEFAULT_ROSTER_WINDOW_SECONDS,
     strategy: Strategy = "kv",
@@ -132,6 +136,8 @@ async def _read_roles(
         backend: A connected backend.
         bucket: The KV bucket.
         roles: Roles to report even when nobody holds them (configured roles).
+        every_key: Also report every other role that holds a record;
+            ``False`` reads ``roles`` alone.
         timeout: Seconds for the KV reads.
         roster_window: Seconds to collect answers from live candidates.
         strategy: ``"kv"`` reads the bucket; ``"allcall"`` has no bucket (no
@@ -152,16 +158,25 @@ async def _read_roles(
             )
         )
     kv = await backend.open_bucket(bucket, ttl=None, create=False, replicas=1, timeout=timeout)
-    entries = {entry.key: entry for entry in await kv.entries(timeout=timeout)}
-    # Every entry was stored before this moment: it expires by read_at + TTL.
-    read_at = time.monotonic()
+    # The keys and each record as the stream's leader has them: a listing
+    # through a consumer may run on a member still catching up after a
+    # restart, and miss a key or show an older record ("no leader" for a role
+    # whose leader kept its term, seen after a NATS rolling update).
+    asked = set(roles)
+    listed = set(await kv.keys(timeout=timeout)) if every_key else set()
     ttl: list[float] = []
-    names = sorted(set(entries) | set(roles))
+    names = sorted(listed | asked)
+
+    async def read(role: str) -> tuple[KVEntry | None, float]:
+        entry = await kv.get(role, timeout=timeout)
+        # The entry was stored before this moment: it expires by then + TTL.
+        return entry, time.monotonic()
 
     async def one(role: str) -> RoleStatus:
-        candidates = await _roster(backend, bucket, role, roster_window)
-        entry = entries.get(role)
-        if entry is None:
+        candidates, (entry, read_at) = await asyncio.gather(
+            _roster(backend, bucket, role, roster_window), read(role)
+        )
+        if entry is None:  # released or expired: said only of a role asked for
             return RoleStatus(role=role, leader_id=None, candidates=candidates)
         term = term_of(entry)
         record = None if term is None else term.record
@@ -209,9 +224,12 @@ async def _read_roles(
             candidates=candidates,
             answering=leader_view is not None,
             expires_within=expires_within,
+            successor=record.successor,
         )
 
-    return list(await asyncio.gather(*(one(name) for name in names)))
+    statuses = await asyncio.gather(*(one(name) for name in names))
+    # A key left with a marker (a released or expired term) is listed only if asked for.
+    return [status for status in statuses if status.role in asked or status.revision is not None]
 
 
 def _expires_within(candidates: list[dict[str, Any]], revision: int, bound: float) -> float:
@@ -303,6 +321,7 @@ def role_to_dict(status: RoleStatus, *, configured: bool) -> dict[str, Any]:
         "expires_within": status.expires_within,
         "fenced": status.fenced,
         "note": status.note,
+        "successor": status.successor,
     }
 
 
@@ -348,12 +367,11 @@ async def read_report(
         backend,
         bucket,
         roles=expected,
+        every_key=not only,
         timeout=timeout,
         roster_window=roster_window,
         strategy=strategy,
     )
-    if only:
-        statuses = [s for s in statuses if s.role in expected]
     return StatusReport(
         bucket=bucket,
         servers=tuple(servers),

@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import nats.errors
@@ -72,6 +72,24 @@ _MARKER_OPERATIONS = {
     "Purge": Operation.PURGE,
     "Remove": Operation.DELETE,
 }
+
+
+def kv_operation(headers: Mapping[str, str] | None) -> Operation:
+    """What a message of a KV stream records, from its headers."""
+    if not headers:
+        return Operation.PUT
+    op_header = headers.get(_KV_OPERATION)
+    if op_header == Operation.DELETE.value:
+        return Operation.DELETE
+    if op_header == Operation.PURGE.value:
+        return Operation.PURGE
+    if _MARKER_REASON in headers:
+        # A server-placed marker is never a value: an unknown reason counts
+        # as a purge rather than as someone's record.
+        return _MARKER_OPERATIONS.get(headers[_MARKER_REASON], Operation.PURGE)
+    return Operation.PUT
+
+
 #: First server version with subject delete markers on max_age (and per-message TTLs).
 MARKERS_SINCE = (2, 11)
 _EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
@@ -247,7 +265,7 @@ class JetStreamBucket:
             name=kv._name,
             stream=kv._stream,
             pre=kv._pre,
-            js=_StreamBoundJetStream(kv._js, kv._stream),  # type: ignore[arg-type]
+            js=_StreamBoundJetStream(backend.js, kv._stream),  # type: ignore[arg-type]
             direct=kv._direct,
         )
 
@@ -320,24 +338,20 @@ class JetStreamBucket:
         subject = self._prefix + key
         try:
             msg = await self._backend.call(
-                self._js.get_msg(self._stream, subject=subject, direct=False),
+                self._backend.jetstream_for(timeout).get_msg(
+                    self._stream, subject=subject, direct=False
+                ),
                 timeout=timeout,
                 bucket=self.name,
             )
         except _NoMessage:
             return None
-        op = Operation.PUT
-        if msg.headers:
-            op_header = msg.headers.get(_KV_OPERATION)
-            if op_header == Operation.DELETE.value:
-                op = Operation.DELETE
-            elif op_header == Operation.PURGE.value:
-                op = Operation.PURGE
-            elif _MARKER_REASON in msg.headers:
-                # A server-placed marker is never a value: an unknown reason
-                # counts as a purge rather than as someone's record.
-                op = _MARKER_OPERATIONS.get(msg.headers[_MARKER_REASON], Operation.PURGE)
-        return KVEntry(key=key, value=msg.data or b"", revision=int(msg.seq or 0), operation=op)
+        return KVEntry(
+            key=key,
+            value=msg.data or b"",
+            revision=int(msg.seq or 0),
+            operation=kv_operation(msg.headers),
+        )
 
     async def watch(self, key: str, callback: WatchCallback) -> JetStreamSubscription:
         """Call ``callback`` with the key's current entry and every later change.
@@ -408,6 +422,17 @@ class JetStreamBucket:
 
         return stop
 
+    async def keys(self, *, timeout: float) -> list[str]:
+        """Every key with an entry (a value or a marker), as the stream's leader knows them."""
+        info = await self._backend.call(
+            self._backend.jetstream_for(timeout).stream_info(
+                self._stream, subjects_filter=self._prefix + ">"
+            ),
+            timeout=timeout,
+            bucket=self.name,
+        )
+        return sorted(subject[len(self._prefix) :] for subject in info.state.subjects or {})
+
     async def entries(self, *, timeout: float) -> list[KVEntry]:
         """Return the latest value of every key that holds one."""
 
@@ -460,6 +485,13 @@ class JetStreamBucket:
         self.description = str(getattr(config, "description", None) or "")
         return float(status.ttl or 0.0)
 
+
+#: Seconds a replicated bucket's create may wait for its answer, at least.
+#: The server answers once the new stream's servers have elected its leader,
+#: a RAFT election of seconds that a loaded cluster has taken more than 5 s
+#: for (2.9.10, three members on two busy cores). JetStream has answered
+#: that the bucket is missing by then, so only that election is waited for.
+REPLICATED_CREATE_SECONDS = 30.0
 
 #: Seconds between attempts to restart a watch after a reconnect (doubling, capped).
 _REWATCH_FIRST_DELAY = 0.05
@@ -529,6 +561,16 @@ class JetStreamBackend:
         #: came during that task's pass (it then makes one more).
         self._rewatch_tasks: dict[str, asyncio.Task[None]] = {}
         self._rewatch_pending: set[str] = set()
+
+    def jetstream_for(self, timeout: float) -> JetStreamContext:
+        """The JetStream context for a call allowed ``timeout`` seconds.
+
+        nats-py bounds each API request by its context's own timeout: a call
+        allowed longer (``bucket --create --timeout 30``, for a replicated
+        bucket answered only once its servers elected the stream's leader)
+        would otherwise end at ``js_timeout``.
+        """
+        return self.js if timeout <= self.js_timeout else self.nc.jetstream(timeout=timeout)
 
     def reconnected(self) -> None:
         """The connection is back: restart every shared watch.
@@ -715,7 +757,11 @@ class JetStreamBackend:
         except nats.js.errors.NoStreamResponseError as exc:
             # Nobody serves the bucket's subjects: the bucket is gone, unless
             # the stream is merely between leaders in a cluster. Ask.
-            if await self._stream_missing(bucket):
+            # Within what is left of the call's own timeout: between stream
+            # leaders, the stream API answers no sooner than the new leader
+            # (up to js_timeout), and the caller would wait past its bound.
+            remaining = max(0.05, timeout - (time.monotonic() - started))
+            if await self._stream_missing(bucket, remaining):
                 raise BucketNotFoundError(
                     f"KV bucket {bucket!r} no longer exists (deleted while in use?)"
                 ) from exc
@@ -728,9 +774,11 @@ class JetStreamBackend:
         except nats.errors.Error as exc:
             raise _connection_error(exc) from exc
 
-    async def _stream_missing(self, bucket: str) -> bool:
+    async def _stream_missing(self, bucket: str, timeout: float) -> bool:
         try:
-            await asyncio.wait_for(self.js.stream_info(f"KV_{bucket}"), self.js_timeout)
+            await asyncio.wait_for(
+                self.js.stream_info(f"KV_{bucket}"), min(timeout, self.js_timeout)
+            )
         except nats.js.errors.NotFoundError as exc:
             return exc.err_code == _STREAM_NOT_FOUND
         except (nats.errors.Error, asyncio.TimeoutError):
@@ -756,7 +804,7 @@ class JetStreamBackend:
         timeout = max(timeout, self.js_timeout)
         started = time.monotonic()
         try:
-            kv = await asyncio.wait_for(self.js.key_value(name), timeout)
+            kv = await asyncio.wait_for(self.jetstream_for(timeout).key_value(name), timeout)
         except nats.js.errors.BucketNotFoundError as exc:
             if persistent:
                 if not create:
@@ -840,20 +888,31 @@ class JetStreamBackend:
         )
         # Called from open_bucket's handler of a missing bucket: the errors
         # are translated here, the handlers beside that one do not see them.
+        if replicas > 1:
+            timeout = max(timeout, REPLICATED_CREATE_SECONDS)
+        js = self.jetstream_for(timeout)
         started = time.monotonic()
         try:
             try:
-                return await asyncio.wait_for(self.js.create_key_value(config), timeout)
+                return await asyncio.wait_for(js.create_key_value(config), timeout)
             except nats.js.errors.BadRequestError:
                 # Another candidate created it first (or its settings differ,
                 # which the max_age check that follows reports).
-                return await asyncio.wait_for(self.js.key_value(name), timeout)
+                return await asyncio.wait_for(js.key_value(name), timeout)
         except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
             raise _jetstream_refusal(exc) from exc
         except (asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
             # A user who may not create streams sees a timeout: say why.
             self._raise_if_refused(started, f"creating KV bucket {name!r}")
-            raise BackendTimeoutError(f"creating KV bucket {name!r} timed out") from exc
+            replicated = (
+                f": a bucket of {replicas} replicas is answered once its servers have elected "
+                "its stream's leader, so it may still be created; run again"
+                if replicas > 1
+                else ""
+            )
+            raise BackendTimeoutError(
+                f"creating KV bucket {name!r} timed out after {timeout:g}s{replicated}"
+            ) from exc
         except nats.js.errors.APIError as exc:
             raise _bucket_api_error(exc, name) from exc
         except nats.errors.Error as exc:
@@ -869,7 +928,9 @@ class JetStreamBackend:
 
         """
         async with self._stream_api(name, timeout):
-            info = await asyncio.wait_for(self.js.stream_info(f"KV_{name}"), timeout)
+            info = await asyncio.wait_for(
+                self.jetstream_for(timeout).stream_info(f"KV_{name}"), timeout
+            )
         config, state = info.config, info.state
         # nats-py leaves the storage type as the server's string in replies.
         storage = getattr(config.storage, "value", config.storage) or "file"
@@ -926,7 +987,9 @@ class JetStreamBackend:
         """
         try:
             async with self._stream_api(name, timeout):
-                await asyncio.wait_for(self.js.delete_stream(f"KV_{name}"), timeout)
+                await asyncio.wait_for(
+                    self.jetstream_for(timeout).delete_stream(f"KV_{name}"), timeout
+                )
         except BucketNotFoundError:
             return False
         return True
@@ -943,7 +1006,9 @@ class JetStreamBackend:
 
         """
         async with self._stream_api(name, timeout):
-            info = await asyncio.wait_for(self.js.stream_info(f"KV_{name}"), timeout)
+            info = await asyncio.wait_for(
+                self.jetstream_for(timeout).stream_info(f"KV_{name}"), timeout
+            )
         state = info.state
         return max(int(state.last_seq or 0) + 1, int(state.first_seq or 0), 1)
 
@@ -1004,7 +1069,8 @@ class JetStreamBackend:
             self._raise_if_refused(started, f"the stream API of KV bucket {name!r}")
             raise JetStreamUnavailableError(
                 f"JetStream did not answer within {timeout:g}s ({type(exc).__name__}): start "
-                "nats-server with -js (or enable jetstream {} in its configuration)"
+                "nats-server with -js (or enable jetstream {} in its configuration); in a "
+                "cluster, the bucket's stream may have no leader yet (try again)"
             ) from exc
         except nats.js.errors.APIError as exc:
             if _is_permission_refusal(exc):

@@ -50,6 +50,10 @@ class _MemoryBucketState:
     description: str = ""
     keys: dict[str, _Stored] = field(default_factory=dict)
     watchers: list[tuple[str, WatchCallback]] = field(default_factory=list)
+    #: The backend each watch (by ``id`` of its ``watchers`` item) belongs to:
+    #: a disconnected or blackholed one gets no events, as a real watch
+    #: (a subscription) does not.
+    watcher_owners: dict[int, MemoryBackend] = field(default_factory=dict)
 
 
 @dataclass
@@ -149,7 +153,11 @@ class MemoryBucket:
         server.revision += 1
         entry = KVEntry(key=key, value=value, revision=server.revision, operation=op)
         state.keys[key] = _Stored(entry=entry, stored_at=server.clock.monotonic())
-        for pattern, callback in list(state.watchers):
+        for item in list(state.watchers):
+            pattern, callback = item
+            owner = state.watcher_owners.get(id(item))
+            if owner is not None and (not owner.connected or owner.blackholed):
+                continue
             if fnmatch.fnmatchcase(key, pattern.replace(">", "*")):
                 callback(entry)
         return entry.revision
@@ -202,6 +210,7 @@ class MemoryBucket:
         state = await self._io()
         item = (key, callback)
         state.watchers.append(item)
+        state.watcher_owners[id(item)] = self._backend
         current = state.keys.get(key)
         if current is not None:
             callback(current.entry)
@@ -209,8 +218,15 @@ class MemoryBucket:
         def stop() -> None:
             with contextlib.suppress(ValueError, BucketNotFoundError):
                 self._state.watchers.remove(item)
+            with contextlib.suppress(BucketNotFoundError):
+                self._state.watcher_owners.pop(id(item), None)
 
         return _MemorySubscription(stop)
+
+    async def keys(self, *, timeout: float) -> list[str]:
+        """Every key with an entry (a value or a marker), sorted."""
+        state = await self._io(timeout)
+        return sorted(state.keys)
 
     async def entries(self, *, timeout: float) -> list[KVEntry]:
         """Return every live value."""

@@ -45,6 +45,11 @@ class LeaderRecord:
         meta: Free-form metadata the leader published (hostname, pid, ...).
         fenced: For a fence marker, the term it ended (``id``, ``epoch``,
             ``by``); ``None`` for a leader's record.
+        successor: With fast failover, the candidate the leader designated
+            to take over at once when it stops answering (docs/design.md);
+            ``None`` otherwise.
+        successor_nonce: A random value new with each designation: the
+            successor counts its wait from its first sighting of it.
 
     """
 
@@ -55,6 +60,8 @@ class LeaderRecord:
     priority: int = 0
     meta: Mapping[str, Any] = field(default_factory=dict)
     fenced: Mapping[str, Any] | None = None
+    successor: str | None = None
+    successor_nonce: str | None = None
 
     @property
     def is_fence(self) -> bool:
@@ -88,7 +95,14 @@ class LeaderRecord:
 
 
 def encode_record(
-    *, instance_id: str, token: str, epoch: int | None, priority: int, meta: Mapping[str, Any]
+    *,
+    instance_id: str,
+    token: str,
+    epoch: int | None,
+    priority: int,
+    meta: Mapping[str, Any],
+    successor: str | None = None,
+    successor_nonce: str | None = None,
 ) -> bytes:
     """Serialize a record for writing.
 
@@ -98,12 +112,14 @@ def encode_record(
         epoch: The term's epoch, or ``None`` for the term's first write.
         priority: The writer's priority.
         meta: Metadata to publish; must be JSON-serializable.
+        successor: The designated successor (fast failover), if any.
+        successor_nonce: That designation's random value.
 
     Returns:
         Compact JSON bytes.
 
     """
-    body = {
+    body: dict[str, Any] = {
         "v": RECORD_VERSION,
         "id": instance_id,
         "token": token,
@@ -111,6 +127,10 @@ def encode_record(
         "priority": priority,
         "meta": dict(meta),
     }
+    if successor is not None:
+        # Only when there is one: records without it stay byte for byte as
+        # they were, and readers that predate it ignore the field.
+        body["successor"] = {"id": successor, "nonce": successor_nonce or ""}
     return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
 
@@ -179,6 +199,15 @@ def decode_record(value: bytes, revision: int) -> LeaderRecord:
     fenced = body.get("fenced")
     if fenced is not None and not isinstance(fenced, dict):
         raise RecordFormatError(f"record at revision {revision} has a bad 'fenced'")
+    successor = body.get("successor")
+    successor_id: str | None = None
+    successor_nonce: str | None = None
+    if isinstance(successor, dict):
+        # Anything malformed names no successor: nobody takes over fast, the
+        # lease still ends the term.
+        named, nonce = successor.get("id"), successor.get("nonce")
+        if isinstance(named, str) and named and isinstance(nonce, str) and nonce:
+            successor_id, successor_nonce = named, nonce
     return LeaderRecord(
         id=instance_id,
         token=token,
@@ -187,4 +216,6 @@ def decode_record(value: bytes, revision: int) -> LeaderRecord:
         priority=priority,
         meta=meta,
         fenced=fenced,
+        successor=successor_id,
+        successor_nonce=successor_nonce,
     )

@@ -108,6 +108,9 @@ class WorkerElection:
             handle.on_promote(functools.partial(self._on_promote, role))
             handle.on_demote(functools.partial(self._on_demote, role))
             handle.on_error(functools.partial(self._on_error, role))
+            # Every move of the deadline reaches the children at once (with
+            # fast failover it moves with each promise, and may move earlier).
+            handle.election.add_lease_listener(functools.partial(self.publish, role))
             self._handles[role] = handle
         if self.metrics is not None:
             self.metrics.watch_elector(self.elector, self.instance_id)

@@ -41,6 +41,7 @@ from celery_nats_leader.beat.schedule_store import EntryState, decode_state, sta
 from celery_nats_leader.beat.ticks import slot_text
 from celery_nats_leader.core.errors import RecordFormatError
 from celery_nats_leader.core.loop_thread import EventLoopThread
+from celery_nats_leader.ops.seed import SEED_WRITER
 from celery_nats_leader.term.record import LeaderRecord, decode_record
 from celery_nats_leader.testing import NatsServer
 from tests.support import REPO
@@ -440,6 +441,19 @@ class BeatCluster:
                     return proc
         return None
 
+    def leading(self, record: LeaderRecord) -> Proc:
+        """The replica whose beat holds the term ``record`` (by the pid it carries)."""
+        proc = self.beat_by_pid(int(record.meta["pid"]))
+        assert proc is not None, (record, self.diagnostics())
+        return proc
+
+    def kill_leader(self, record: LeaderRecord) -> Proc:
+        """SIGKILL the replica that holds the term ``record`` (a crash) and reap it."""
+        proc = self.leading(record)
+        proc.signal(signal.SIGKILL)
+        proc.wait(10)
+        return proc
+
     def wait_new_term(self, after: int, timeout: float = FAILOVER + 10) -> LeaderRecord:
         """Wait for a term of the beat role newer than epoch ``after``."""
 
@@ -450,14 +464,21 @@ class BeatCluster:
         return wait_for(found, timeout, f"a beat term after epoch {after}", self.diagnostics)
 
     def drain(self) -> None:
-        """Stop every scheduler, then wait until the worker ran every committed tick."""
+        """Stop every scheduler, then wait until the worker ran every committed tick.
+
+        A seeded state (``seed-beat``) is not one: the previous scheduler sent it.
+        """
         for proc in [*self.beats, *self.embedded]:
             proc.stop()
 
         def executed_all() -> bool:
             runs = {(r.entry, r.tick) for r in self.runs()}
             for spec in self.entries:
-                writes = self.recorder.state_writes(spec["name"])
+                writes = [
+                    (seen, state)
+                    for seen, state in self.recorder.state_writes(spec["name"])
+                    if state.by != SEED_WRITER
+                ]
                 final = writes[-1][1] if writes else None
                 if (
                     final is not None

@@ -55,10 +55,7 @@ def test_a_failover_catches_up_every_missed_tick(
         cluster.start_beat()
     first = cluster.wait_leader()
     cluster.wait_runs_by(first.epoch, 3)
-    killed = cluster.beat_by_pid(int(first.meta["pid"]))
-    assert killed is not None
-    killed.signal(signal.SIGKILL)
-    killed.wait(10)
+    killed = cluster.kill_leader(first)
     second = cluster.wait_leader(exclude=(killed,))
     cluster.wait_runs_by(second.epoch, 3)
     end_wall = time.time()

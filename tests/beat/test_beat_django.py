@@ -45,10 +45,7 @@ def test_database_scheduler_every_tick_exactly_once(
     # crontab's tick at that boundary is its successor's to dispatch.
     wait_for(lambda: 58.0 <= time.time() % 60 <= 58.8, 65, "1.2-2 s before a minute boundary")
     boundary = datetime.fromtimestamp((time.time() // 60 + 1) * 60, tz=timezone.utc)
-    killed = cluster.beat_by_pid(int(first.meta["pid"]))
-    assert killed is not None
-    killed.signal(signal.SIGKILL)
-    killed.wait(10)
+    killed = cluster.kill_leader(first)
     second = cluster.wait_leader(exclude=(killed,))
     cluster.wait_runs_by(second.epoch, 3)
 
@@ -61,8 +58,7 @@ def test_database_scheduler_every_tick_exactly_once(
     assert [r.epoch for r in runs] == [second.epoch], runs
 
     # Pause the new one past the TTL, then continue it.
-    paused = cluster.beat_by_pid(int(second.meta["pid"]))
-    assert paused is not None
+    paused = cluster.leading(second)
     paused.signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
     third = cluster.wait_leader(exclude=(killed, paused))
@@ -73,8 +69,7 @@ def test_database_scheduler_every_tick_exactly_once(
     cluster.wait_runs_by(third.epoch, 5)
 
     # Graceful stop of the active one.
-    active = cluster.beat_by_pid(int(third.meta["pid"]))
-    assert active is not None
+    active = cluster.leading(third)
     active.signal(signal.SIGTERM)
     assert active.wait(30) == 0
     fourth = cluster.wait_leader(exclude=(killed, active))

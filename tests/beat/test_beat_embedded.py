@@ -47,8 +47,7 @@ def test_embedded_beat_fails_over_and_hands_over(
     cluster.wait_runs_by(second.epoch, 3)
 
     # Warm shutdown of the worker hosting the active beat: it hands over.
-    worker = cluster.beat_by_pid(int(second.meta["pid"]))
-    assert worker is not None
+    worker = cluster.leading(second)
     worker.signal(signal.SIGTERM)
     assert worker.wait(60) == 0
     released_at = time.monotonic()

@@ -44,17 +44,13 @@ def test_every_tick_exactly_once_across_kill_pause_and_stop(
     cluster.wait_runs_by(first.epoch, 3)
 
     # 1. The active scheduler crashes.
-    killed = cluster.beat_by_pid(int(first.meta["pid"]))
-    assert killed is not None
-    killed.signal(signal.SIGKILL)
-    killed.wait(10)
+    killed = cluster.kill_leader(first)
     second = cluster.wait_leader(exclude=(killed,))
     assert second.epoch > first.epoch
     cluster.wait_runs_by(second.epoch, 3)
 
     # 2. The new one is paused past the TTL, then continued.
-    paused = cluster.beat_by_pid(int(second.meta["pid"]))
-    assert paused is not None
+    paused = cluster.leading(second)
     paused.signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
     third = cluster.wait_leader(exclude=(killed, paused))
@@ -65,8 +61,7 @@ def test_every_tick_exactly_once_across_kill_pause_and_stop(
     cluster.wait_runs_by(third.epoch, 6)
 
     # 3. The active scheduler is stopped gracefully: it hands over at once.
-    active = cluster.beat_by_pid(int(third.meta["pid"]))
-    assert active is not None
+    active = cluster.leading(third)
     active.signal(signal.SIGTERM)
     assert active.wait(30) == 0
     released_at = time.monotonic()

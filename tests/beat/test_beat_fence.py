@@ -10,7 +10,6 @@ and messages without one (not beat dispatches) run.
 
 from __future__ import annotations
 
-import signal
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -44,10 +43,7 @@ def test_stale_term_refused_current_and_unfenced_run(
         cluster.start_beat()
     first = cluster.wait_leader()
     cluster.wait_runs_by(first.epoch, 2)
-    killed = cluster.beat_by_pid(int(first.meta["pid"]))
-    assert killed is not None
-    killed.signal(signal.SIGKILL)
-    killed.wait(10)
+    cluster.kill_leader(first)
     second = cluster.wait_new_term(first.epoch)
     cluster.wait_runs_by(second.epoch, 2)
 

@@ -68,8 +68,7 @@ def test_no_message_carries_the_token(
     for _ in range(2):
         cluster.start_beat()
     first = cluster.wait_leader()
-    killed = cluster.beat_by_pid(int(first.meta["pid"]))
-    assert killed is not None
+    killed = cluster.leading(first)
     wait_for(lambda: killed.log().count("Sending due task") >= 2, 30, "two dispatches")
     killed.signal(signal.SIGKILL)
     killed.wait(10)

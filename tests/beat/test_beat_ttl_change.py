@@ -84,8 +84,7 @@ def test_a_ttl_change_rolled_over_the_beat_replicas_runs_every_tick_once(
     floor = int(floor_line.split()[2])
 
     # The roll: a new replica up, an old one down; the leader last, killed.
-    leader = cluster.beat_by_pid(int(first.meta["pid"]))
-    assert leader is not None
+    leader = cluster.leading(first)
     order = [p for p in old if p is not leader] + [leader]
     new = []
     for proc in order:

@@ -285,3 +285,17 @@ def test_failover_prefork_200_tasks(cluster_factory: Any, broker: Broker) -> Non
 def test_failover_threads_and_solo(cluster_factory: Any, broker: Broker, pool: str) -> None:
     cluster = cluster_factory(ttl=2.0)
     run_failover(cluster, broker, pool=pool, concurrency=2 if pool == "threads" else 1, total=60)
+
+
+@pytest.mark.parametrize("broker", ["amqp"], indirect=True)
+def test_failover_prefork_with_fast_failover_at_ttl_10(
+    cluster_factory: Any, broker: Broker
+) -> None:
+    """The same promises with ``nats_leader_fast_failover``: the crash is over in about a second.
+
+    Prefork children read the term's deadline from the block the main
+    process publishes; with fast failover it moves with every promise (and
+    may move earlier), and is republished at each move.
+    """
+    cluster = cluster_factory(ttl=10.0, extra={"fast_failover": True})
+    run_failover(cluster, broker, pool="prefork", concurrency=2, total=200)

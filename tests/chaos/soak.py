@@ -58,11 +58,13 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 
 from celery_nats_leader.core.constants import BACKOFF_MAX_SECONDS
 from celery_nats_leader.testing.cluster import NatsCluster
 from celery_nats_leader.testing.fault_proxy import ThreadedFaultProxy
+from celery_nats_leader.testing.nats_server import NatsServer
 from celery_nats_leader.testing.process import thread_states
 from tests.chaos.checker import Report, check, load_events
 from tests.chaos.netns import NetnsHost
@@ -136,6 +138,11 @@ class SoakOptions:
         celery_app_dir: The directory of the Celery tests' app
             (``tests/celery``: ``cnl_celery_app`` and its ledger).
         task_interval: Seconds between two leader-only tasks.
+        fast_failover: Every election (candidates, beats, workers) runs with
+            ``fast_failover=True``: a designated successor takes over about a
+            second after its leader goes silent, whatever the TTL.
+        servers: NATS servers: 3 (a cluster, R3 buckets) or 1 (a single
+            server, R1 buckets; a ``node_kill`` then kills the only server).
 
     """
 
@@ -157,6 +164,8 @@ class SoakOptions:
     workers: int = 0
     celery_app_dir: Path | None = None
     task_interval: float = 0.25
+    fast_failover: bool = False
+    servers: int = 3
 
 
 class _Candidate:
@@ -228,6 +237,8 @@ class _Candidate:
         ]
         if opts.pg:
             cmd.append("--pg")
+        if opts.fast_failover:
+            cmd.append("--fast-failover")
         if self.host is not None:
             cmd = self.host.command(cmd)  # execs in place: the pid is the candidate's
         self._spawn(cmd, child_env())
@@ -282,11 +293,24 @@ class Soak:
         self.log = EventLog(self.events_dir / "chaos.jsonl", "chaos")
         self.config_path = self.workdir / "nats.conf"
         self.config_path.write_text(f"jetstream {{ max_file_store: {STORE_LIMIT_BYTES} }}\n")
-        self.cluster = NatsCluster(
-            3,
-            advertise=False,
-            binary=options.binary,
-            extra_args=["-c", str(self.config_path)],
+        if options.servers not in (1, 3):
+            raise ValueError(f"servers={options.servers}: a soak runs 1 server or a 3-node cluster")
+        self.replicas = options.servers
+        self.cluster: NatsCluster | _SingleServer = (
+            NatsCluster(
+                3,
+                advertise=False,
+                binary=options.binary,
+                extra_args=["-c", str(self.config_path)],
+            )
+            if options.servers == 3
+            else _SingleServer(
+                NatsServer(
+                    binary=options.binary,
+                    extra_args=["-c", str(self.config_path)],
+                    startup_timeout=20.0,
+                )
+            )
         )
         self.candidates: list[_Candidate] = []
         self.names: dict[int, str] = {}  # pid -> process name (the ledgers know pids)
@@ -318,6 +342,7 @@ class Soak:
             "queue_prefix": f"soak-leader-{run_id}.",
             "ledger": str(self.tasks_ledger),
             "start_timeout": 30.0,
+            "extra": {"fast_failover": True} if options.fast_failover else {},
         }
         self._sender: threading.Thread | None = None
         self._sent = 0
@@ -326,7 +351,8 @@ class Soak:
         self._node_fault = threading.Lock()
         self._bucket_lock = threading.RLock()  # held while the bucket is being recreated
         self._stop = threading.Event()
-        self._errors: list[str] = []
+        #: Faults that failed to run, as ``kind: exception`` (logged, and shown by the tests).
+        self.errors: list[str] = []
         self._threads: list[threading.Thread] = []
         self.injected = 0
         self.netns_host: NetnsHost | None = None
@@ -354,7 +380,7 @@ class Soak:
                     bucket=self.bucket,
                     history=1,
                     ttl=self.options.ttl,
-                    replicas=3,
+                    replicas=self.replicas,
                     storage=StorageType.FILE,
                 )
             )
@@ -371,7 +397,7 @@ class Soak:
 
         async def has_leader(nc: Any) -> None:
             info = await nc.jetstream(timeout=2).stream_info(f"KV_{self.bucket}")
-            if not (info.cluster and info.cluster.leader):
+            if self.replicas > 1 and not (info.cluster and info.cluster.leader):
                 raise RuntimeError("the bucket's stream has no leader yet")
 
         self._retry(
@@ -450,7 +476,10 @@ class Soak:
             # longer than the default catch-up window, after which beat
             # deliberately coalesces (tests/beat/test_beat_catch_up.py);
             # the soak checks that each tick runs exactly once.
-            "extra": {"beat_catch_up_window": float("inf")},
+            "extra": {
+                "beat_catch_up_window": float("inf"),
+                **({"fast_failover": True} if self.options.fast_failover else {}),
+            },
             # The soak inspects the worker to drain it before it stops.
             "remote_control": True,
         }
@@ -482,7 +511,10 @@ class Soak:
         async def state_bucket(nc: Any) -> None:
             await nc.jetstream(timeout=10).create_key_value(
                 KeyValueConfig(
-                    bucket=f"{self.bucket}_beat", history=1, replicas=3, storage=StorageType.FILE
+                    bucket=f"{self.bucket}_beat",
+                    history=1,
+                    replicas=self.replicas,
+                    storage=StorageType.FILE,
                 )
             )
 
@@ -521,7 +553,7 @@ class Soak:
             return
         name = f"{self.beat_queue}@{socket.gethostname()}"
         if not drain_worker(self.options.broker_url, self.beat_queue, name, DRAIN_TIMEOUT):
-            self._errors.append(
+            self.errors.append(
                 f"the beat worker still had ticks after {DRAIN_TIMEOUT:g}s; stopping it anyway"
             )
         self.worker.terminate()  # warm shutdown: running tasks finish
@@ -806,7 +838,7 @@ class Soak:
                 StreamConfig(
                     name=_FILLER_STREAM,
                     subjects=[f"{_FILLER_STREAM}.>"],
-                    num_replicas=3,
+                    num_replicas=self.replicas,
                     storage=StorageType.FILE,
                 )
             )
@@ -837,7 +869,11 @@ class Soak:
             self._fault("bucket_recreate", self.bucket)
 
             async def delete(nc: Any) -> None:
-                await nc.jetstream(timeout=5).delete_key_value(self.bucket)
+                # Gone already: an earlier try timed out and went through (its
+                # answer lost while a server restarted). Ten tries that each
+                # found it gone once failed the fault, and left no bucket.
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    await nc.jetstream(timeout=5).delete_key_value(self.bucket)
 
             self._retry("delete the bucket", lambda: self._nats(delete), attempts=10)
             # The candidates stop on the missing bucket (a permanent error).
@@ -925,7 +961,7 @@ class Soak:
                 action()
             except Exception as exc:
                 logger.exception("soak: fault %s failed", kind)
-                self._errors.append(f"{kind}: {exc!r}")
+                self.errors.append(f"{kind}: {exc!r}")
             finally:
                 release()
 
@@ -974,7 +1010,13 @@ class Soak:
             if opts.pg:
                 self._setup_pg()
             self.log.emit(
-                "start", seed=self.seed, ttl=opts.ttl, roles=list(self.roles), bucket=self.bucket
+                "start",
+                seed=self.seed,
+                ttl=opts.ttl,
+                roles=list(self.roles),
+                bucket=self.bucket,
+                fast_failover=opts.fast_failover,
+                servers=opts.servers,
             )
             if opts.kinds.get("partition", 0) > 0:
                 # The first candidate runs on a host of its own (a network
@@ -1064,7 +1106,7 @@ class Soak:
             # kombu's Redis transport pops a message before recording it.
             broker_pop_window=bool(opts.workers) and self._tasks_on_redis,
         )
-        for error in self._errors:
+        for error in self.errors:
             logger.warning("soak: %s", error)
         return report
 
@@ -1088,6 +1130,36 @@ class Soak:
         )
         if result.returncode != 0:
             raise RuntimeError(f"migrating the PostgreSQL fence failed:\n{result.stderr}")
+
+
+class _SingleServer:
+    """One nats-server behind the few :class:`NatsCluster` calls a soak makes."""
+
+    def __init__(self, server: NatsServer) -> None:
+        self._server = server
+
+    @property
+    def servers(self) -> list[NatsServer]:
+        return [self._server]
+
+    @property
+    def urls(self) -> list[str]:
+        return [self._server.url]
+
+    def __len__(self) -> int:
+        return 1
+
+    def start(self) -> None:
+        self._server.start()
+
+    def kill(self, index: int) -> None:
+        self._server.kill()
+
+    def restart(self, index: int) -> None:
+        self._server.restart(graceful=False)  # already killed: simply started
+
+    def close(self) -> None:
+        self._server.close()
 
 
 def child_env() -> dict[str, str]:

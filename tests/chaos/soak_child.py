@@ -17,6 +17,9 @@ per role):
   variables, database ``test`` by default), inside a transaction whose commit
   is recorded after it returned.
 
+``--fast-failover`` sets ``fast_failover=True``: the leader names a successor,
+which takes over about a second after it goes silent (whatever ``--ttl``).
+
 A permanent election error (the bucket deleted) ends the process with status 2;
 SIGTERM stops it gracefully (the roles are released).
 """
@@ -254,6 +257,7 @@ async def _run(args: argparse.Namespace, log: EventLog) -> int:
             instance_id=args.name,
             ttl=args.ttl,
             priority=args.priority,
+            fast_failover=args.fast_failover,
         )
         election = KvElection(config, backend, observer=_LeaseObserver(log, config.lease_seconds))
 
@@ -353,6 +357,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--fence", help="the file fence shared by the candidates")
     parser.add_argument("--pg", action="store_true", help="also write through the PG fence")
     parser.add_argument("--write-interval", type=float, default=0.1)
+    parser.add_argument(
+        "--fast-failover", action="store_true", help="fast_failover=True (designated successor)"
+    )
     return parser.parse_args(argv)
 
 

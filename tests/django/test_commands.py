@@ -83,7 +83,9 @@ def test_status_json_field_by_field(two: Candidates, nats_server: NatsServer, bu
         "expires_within",
         "fenced",
         "note",
+        "successor",
     }
+    assert default["successor"] is None  # no fast failover here
     assert default["role"] == "default"
     assert default["configured"] is True
     assert default["has_leader"] is True

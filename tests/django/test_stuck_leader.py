@@ -98,7 +98,9 @@ def test_fence_ends_the_frozen_term_and_raises_the_database_fence(
     assert doc["new_leader"]["id"] == follower
     assert doc["revision"] > epoch
     assert doc["new_leader"]["epoch"] > doc["revision"]
-    assert doc["promoted_after"] < 0.1
+    # Promoted on the fence's write, not when a lease ran out (TTL 30 s); how
+    # fast is benchmarks/fence.py's measure (tens of ms), not this test's.
+    assert doc["promoted_after"] < 2.0
     # The database refuses the frozen term now, before the successor wrote anything.
     assert doc["database_epoch"] == doc["revision"] == current_epoch(ROLE)
     with pytest.raises(StaleLeaderError), fenced(ROLE, f"{epoch}:old-term"):

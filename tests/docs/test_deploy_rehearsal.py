@@ -8,7 +8,8 @@ Deployment (their command and their environment, the Secret's values filled
 in), their startup, readiness and liveness probes, ``nats-leader status`` in
 a pod, beat's ticks reaching a worker, and every pod replaced one by one
 through its ``preStop`` hook and SIGTERM, within its grace period, with a
-leader of each role at the end.
+leader of each role at the end; then the NATS servers replaced one by one
+through theirs, under running pods.
 
 What differs from a cluster, and nothing else: the NATS and Redis addresses,
 the Secret's values, and each pod's metrics ports (pods have a network of
@@ -21,6 +22,8 @@ hands over the roles of the pod's host.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import json
 import os
@@ -41,6 +44,7 @@ import pytest
 import redis
 import yaml
 
+from celery_nats_leader.testing import NatsServer
 from celery_nats_leader.testing.cluster import NatsCluster
 from celery_nats_leader.testing.ports import free_port
 from tests.support.procs import Proc
@@ -120,6 +124,22 @@ def nats_server_config() -> tuple[str, dict[str, str]]:
     return text, env
 
 
+def http_status(port: int, path: str) -> int | None:
+    """An httpGet probe's status code on this host's ``port`` (``None``: nothing answers)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def nats_probe_passes(server: NatsServer, container: dict[str, Any], kind: str) -> bool:
+    """Whether ``server`` passes ``nats.yaml``'s probe ``kind`` (its monitoring port)."""
+    return http_status(server.monitor_port, container[kind]["httpGet"]["path"]) == 200
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
     """The StatefulSet of ``nats.yaml``: three servers from its configuration and Secret."""
@@ -136,10 +156,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
             [container] = probes["containers"]
             for server in made.servers:
                 for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-                    path = container[kind]["httpGet"]["path"]
-                    url = f"http://127.0.0.1:{server.monitor_port}{path}"
-                    with urllib.request.urlopen(url, timeout=5) as answer:
-                        assert answer.status == 200, (kind, url)
+                    assert nats_probe_passes(server, container, kind), (kind, server.server_name)
             yield made
     finally:
         os.environ.clear()
@@ -236,16 +253,7 @@ class Pod:
     def http(self, probe: dict[str, Any]) -> int | None:
         """An httpGet probe's status code (``None``: nothing answers)."""
         get = probe["httpGet"]
-        port = self.ports[self.named.get(get["port"], get["port"])]
-        try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{port}{get['path']}", timeout=2
-            ) as response:
-                return int(response.status)
-        except urllib.error.HTTPError as exc:
-            return exc.code
-        except OSError:
-            return None
+        return http_status(self.ports[self.named.get(get["port"], get["port"])], get["path"])
 
     def probe_passes(self, kind: str) -> bool:
         probe = self.container[kind]
@@ -284,6 +292,24 @@ class Pod:
 
 def status(pod: Pod) -> subprocess.CompletedProcess[str]:
     return pod.exec(["celery", "-A", "proj", "nats-leader", "status"])
+
+
+def every_role_led(pod: Pod) -> str:
+    """``nats-leader status`` in ``pod`` once it exits 0: every configured role has a leader.
+
+    A started pod's probes pass while its elections may still be campaigning
+    (a worker's embedded beat child starts after the worker), and a released
+    role is taken by the successor's own campaign: awaited, not assumed.
+    """
+    shown: list[subprocess.CompletedProcess[str]] = []
+
+    def led() -> bool:
+        shown[:] = [status(pod)]
+        return shown[0].returncode == 0
+
+    wait_for(led, 30, "every role led in `nats-leader status`",
+             lambda: shown[0].stdout + shown[0].stderr if shown else "")  # fmt: skip
+    return shown[0].stdout
 
 
 def heartbeats(pods: list[Pod]) -> int:
@@ -493,9 +519,8 @@ def test_worker_and_beat_manifests_come_up_tick_and_roll_over(
             pod.start(tmp_path)
         for pod in [*workers, *beats]:
             pod.wait_started()
-        shown = status(workers[0])
-        assert shown.returncode == 0, shown.stdout + shown.stderr
-        assert "reports" in shown.stdout and "beat" in shown.stdout, shown.stdout
+        shown = every_role_led(workers[0])
+        assert "reports" in shown and "beat" in shown, shown
         wait_for(lambda: heartbeats(workers) >= 2, 30, "beat's ticks run on a worker")
         for pod in workers:
             assert "once-guard cannot use" not in (pod.proc.log() if pod.proc else "")
@@ -521,8 +546,7 @@ def test_worker_and_beat_manifests_come_up_tick_and_roll_over(
             (workers if old in workers else beats).append(fresh)
         live = [p for p in [*workers, *beats] if p.proc is not None and p.proc.alive]
         assert len(live) == 4
-        shown = status(live[0])
-        assert shown.returncode == 0, shown.stdout + shown.stderr
+        every_role_led(live[0])
         before = heartbeats(workers)
         wait_for(lambda: heartbeats(workers) >= before + 2, 30, "ticks after the roll")
         # Through the crashes and the roll, every tick ran once.
@@ -534,22 +558,31 @@ def test_worker_and_beat_manifests_come_up_tick_and_roll_over(
                 pod.proc.kill()
 
 
-def test_worker_with_embedded_beat_manifest_comes_up(
-    cluster: NatsCluster, project: Path, tmp_path: Path
-) -> None:
-    run_job(cluster, project, tmp_path)
+@contextlib.contextmanager
+def embedded_beat_pods(cluster: NatsCluster, project: Path, log_dir: Path) -> Iterator[list[Pod]]:
+    """The Job, then two ``worker-with-beat.yaml`` pods: started, led, ticking; killed after."""
+    run_job(cluster, project, log_dir)
     pods = [
         Pod(workload("worker-with-beat.yaml", "Deployment"), i, cluster, project) for i in range(2)
     ]
     try:
         for pod in pods:
-            pod.start(tmp_path)
+            pod.start(log_dir)
         for pod in pods:
             pod.wait_started()  # the liveness probe asks both ports
-        shown = status(pods[0])
-        assert shown.returncode == 0, shown.stdout + shown.stderr
+        every_role_led(pods[0])
         wait_for(lambda: heartbeats(pods) >= 2, 30, "the embedded beat's ticks run")
+        yield pods
+    finally:
+        for pod in pods:
+            if pod.proc is not None and pod.proc.alive:
+                pod.proc.kill()
 
+
+def test_worker_with_embedded_beat_manifest_comes_up(
+    cluster: NatsCluster, project: Path, tmp_path: Path
+) -> None:
+    with embedded_beat_pods(cluster, project, tmp_path) as pods:
         # The shipped scrape job keeps both ports of each pod, by name; the
         # beat role's series come from the beat child's.
         prometheus = Prometheus(tmp_path)
@@ -582,11 +615,93 @@ def test_worker_with_embedded_beat_manifest_comes_up(
             prometheus.close()
         seconds = pods[0].replace()
         assert seconds < pods[0].grace
-        assert status(pods[1]).returncode == 0
+        every_role_led(pods[1])
+
+
+def roll_nats_pod(cluster: NatsCluster, index: int) -> float:
+    """What a rolling update of ``nats.yaml`` does to one server; seconds it was down.
+
+    Its ``preStop`` hook as written (lame duck mode, then the wait for the
+    server's exit; the container's process 1 is nats-server, here it has a
+    pid of its own), then SIGTERM, within ``terminationGracePeriodSeconds``;
+    then the new pod's server on the same store, passing its probes before
+    the StatefulSet goes on to the next.
+    """
+    spec = workload("nats.yaml", "StatefulSet")["spec"]["template"]["spec"]
+    [container] = spec["containers"]
+    server = cluster.servers[index]
+    pid = server.pid
+    assert pid is not None
+    shell, flag, script = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert (shell, flag) == ("sh", "-c"), (shell, flag)
+    assert script.startswith("nats-server ") and script.count(" 1 ") + script.count("=1 ") == 2
+    script = script.replace("nats-server ", f"{shlex.quote(server.binary)} ", 1)
+    script = script.replace("ldm=1 ", f"ldm={pid} ").replace("kill -0 1 ", f"kill -0 {pid} ")
+    grace = spec["terminationGracePeriodSeconds"]
+    began = time.monotonic()
+    hook = subprocess.Popen(
+        [shell, flag, script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        # The server exits after the lame duck mode's grace period and the
+        # closing of every client's connection (reaped by its parent, this
+        # process, as a container ends with its process 1); the hook then.
+        wait_for(lambda: not server.is_running, grace, f"{server.server_name} to leave")
+        output, _ = hook.communicate(timeout=5)
     finally:
+        if hook.poll() is None:
+            hook.kill()
+    assert hook.returncode == 0, output
+    server.stop()  # the SIGTERM after the hook: nothing left to stop
+    log = server.log_text(since_start=True)
+    assert "Entering lame duck mode" in log, log[-3000:]
+    cluster.restart(index)
+    for kind in ("startupProbe", "readinessProbe"):
+        wait_for(
+            functools.partial(nats_probe_passes, server, container, kind),
+            60,
+            f"{server.server_name} passes its {kind}",
+        )
+    return time.monotonic() - began
+
+
+def terms(pod: Pod) -> dict[str, tuple[str, int]]:
+    """Each role's leader and epoch, from ``nats-leader status --json``."""
+    shown = pod.exec(["celery", "-A", "proj", "nats-leader", "status", "--json"])
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    return {r["role"]: (r["leader_id"], r["epoch"]) for r in json.loads(shown.stdout)["roles"]}
+
+
+def test_a_nats_rolling_update_through_its_prestop_keeps_every_term(
+    cluster: NatsCluster, project: Path, tmp_path: Path
+) -> None:
+    """``nats.yaml``'s servers replaced one by one, highest ordinal first, under running pods.
+
+    Lame duck mode moves the pods' connections to the other servers before
+    each one stops: no role changes leader, beat's ticks go on, each once.
+    """
+    with embedded_beat_pods(cluster, project, tmp_path) as pods:
+        # These pods' own terms: a pod killed by an earlier test leaves its
+        # record until the key expires (an instance id starts with its host).
+        def own_terms() -> dict[str, tuple[str, int]] | None:
+            now = terms(pods[0])
+            hosts = {leader.split(":")[0] for leader, _ in now.values()}
+            ours = set(now) == {"reports", "beat"} and hosts <= {p.name for p in pods}
+            return now if ours else None
+
+        before = wait_for(own_terms, 60, "both roles led by these pods")
+
+        for index in reversed(range(len(cluster.servers))):
+            seconds = roll_nats_pod(cluster, index)
+            print(f"{cluster.servers[index].server_name}: replaced in {seconds:.1f}s")
+
+        assert terms(pods[1]) == before
+        ticked = heartbeats(pods)
+        wait_for(lambda: heartbeats(pods) >= ticked + 2, 30, "ticks after the roll")
+        runs = tick_runs(pods)
+        assert runs and max(runs.values()) == 1, [t for t, n in runs.items() if n > 1]
         for pod in pods:
-            if pod.proc is not None and pod.proc.alive:
-                pod.proc.kill()
+            assert pod.proc is not None and pod.proc.alive, pod.name
 
 
 def test_the_readme_app_is_what_the_manifests_run() -> None:

@@ -108,6 +108,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ttl", type=float, default=2.0, help="seconds (the bucket's max_age)")
     parser.add_argument("--priority", type=int, default=0)
     parser.add_argument("--allow-takeover", action="store_true")
+    parser.add_argument("--fast-failover", action="store_true")
     parser.add_argument("--create-bucket", action="store_true")
     parser.add_argument("--replicas", type=int, default=1, help="when creating the bucket")
     parser.add_argument("--heartbeat", type=float, default=0.0, help="0: ttl / 4")
@@ -207,6 +208,7 @@ async def _run(args: argparse.Namespace, printer: _Printer) -> int:
         validation_interval=args.validation_interval,
         priority=args.priority,
         allow_takeover=args.allow_takeover,
+        fast_failover=args.fast_failover,
         create_bucket=args.create_bucket,
         bucket_replicas=args.replicas,
         release_on_stop=not args.no_release_on_stop,

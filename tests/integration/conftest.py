@@ -13,6 +13,7 @@ import pytest
 from nats.aio.client import Client
 
 from celery_nats_leader.testing import NatsServer, ThreadedFaultProxy
+from tests.chaos.netns import NetnsHost
 from tests.harness.candidate_control import CandidateGroup
 from tests.integration.helpers import (
     BUCKET,
@@ -98,3 +99,21 @@ def package_log() -> Iterator[LogCounter]:
     yield handler
     logger.removeHandler(handler)
     logger.setLevel(old_level)
+
+
+@pytest.fixture
+def host() -> Iterator[NetnsHost]:
+    """A network namespace joined to the root namespace by a veth pair (a second host)."""
+    with NetnsHost() as made:
+        yield made
+
+
+@pytest.fixture
+def root_server(host: NetnsHost) -> Iterator[NatsServer]:
+    """A JetStream nats-server on the root side of ``host``'s veth pair.
+
+    Candidates of both namespaces connect to this address (in the root
+    namespace it is a local address, like loopback).
+    """
+    with NatsServer(host=host.root_address) as server:
+        yield server

@@ -24,12 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import nats
+import nats.js.errors
 from nats.aio.client import Client
-from nats.js.api import KeyValueConfig
+from nats.aio.msg import Msg
+from nats.js.api import KeyValueConfig, RePublish
 
 from celery_nats_leader import DemoteReason, ElectionConfig, ElectionError, FencingToken, KvElection
 from celery_nats_leader.config.connection import ConnectOptions
 from celery_nats_leader.nats import JetStreamBackend
+from celery_nats_leader.nats.jetstream import REPLICATED_CREATE_SECONDS, kv_operation
 from celery_nats_leader.term.record import LeaderRecord, decode_record
 from celery_nats_leader.testing import NatsServer
 from tests.harness.candidate_control import CandidateEvent, CandidateGroup
@@ -57,11 +60,28 @@ ROLE = "job"
 async def create_bucket(
     url: str | list[str], bucket: str = BUCKET, *, ttl: float = TTL, replicas: int = 1
 ) -> None:
-    """Create an election bucket as an operator would (history 1, max_age = ttl)."""
+    """Create an election bucket as an operator would (history 1, max_age = ttl).
+
+    The server answers a replicated create once the new stream's RAFT group
+    has elected a leader; a RAFT election timeout is seconds long, and on a
+    loaded machine the answer once took more than nats-py's default 5 s
+    (2.9.10, a 3-node cluster, CI's two lanes running). The wait is for that
+    answer, not a second try.
+
+    One addition, for :class:`KeyHistory`: the stream republishes every
+    message it stores to the core subject ``_key_history.<bucket>.<key>``
+    (nats-server 2.9 can set that only at creation). Nothing else reads it.
+    """
     nc = await nats.connect(url)
     try:
-        await nc.jetstream().create_key_value(
-            KeyValueConfig(bucket=bucket, history=1, ttl=ttl, replicas=replicas)
+        await nc.jetstream(timeout=REPLICATED_CREATE_SECONDS).create_key_value(
+            KeyValueConfig(
+                bucket=bucket,
+                history=1,
+                ttl=ttl,
+                replicas=replicas,
+                republish=RePublish(src=f"$KV.{bucket}.>", dest=f"{_HISTORY}.{bucket}.>"),
+            )
         )
     finally:
         await nc.close()
@@ -127,9 +147,13 @@ async def poll(condition: Callable[[], Awaitable[bool]], *, timeout: float, what
         await asyncio.sleep(0.02)
 
 
+#: The core subjects a test bucket republishes its messages to (see create_bucket).
+_HISTORY = "_key_history"
+
+
 @dataclass(frozen=True)
 class KeyRevision:
-    """One revision of the role's key as an operator's watch saw it."""
+    """One revision of the role's key as an operator saw it stored."""
 
     op: str
     revision: int
@@ -139,6 +163,14 @@ class KeyRevision:
 
 class KeyHistory:
     """Records every revision of the role's key, from an independent client.
+
+    Every revision: a watch would not do. The buckets keep one value a key
+    (history 1), so a revision replaced before the watch's consumer sent it
+    is gone from the stream and never delivered (a release and the
+    successor's claim 6 ms apart, on a loaded machine). A bucket made by
+    :func:`create_bucket` republishes each stored message with its sequence
+    to a core subject, which this reads; the key's value when it starts is
+    read first.
 
     Usage: ``async with KeyHistory(nc, bucket) as history: ...`` then
     :meth:`until_revision`.
@@ -150,34 +182,42 @@ class KeyHistory:
         self._key = key
         self.entries: list[KeyRevision] = []
         self._seen = asyncio.Event()
-        self._watcher: Any = None
-        self._task: asyncio.Task[None] | None = None
+        self._sub: Any = None
 
     async def __aenter__(self) -> KeyHistory:
-        kv = await self._nc.jetstream().key_value(self._bucket)
-        self._watcher = await kv.watch(self._key)
-        self._task = asyncio.get_running_loop().create_task(self._pump())
+        js = self._nc.jetstream(timeout=REPLICATED_CREATE_SECONDS)
+        stream = f"KV_{self._bucket}"
+        republish = (await js.stream_info(stream)).config.republish
+        assert republish is not None, f"{self._bucket}: not made by create_bucket"
+        self._sub = await self._nc.subscribe(
+            f"{_HISTORY}.{self._bucket}.{self._key}", cb=self._on_copy
+        )
+        await self._nc.flush()
+        subject = f"$KV.{self._bucket}.{self._key}"
+        try:
+            current = await js.get_msg(stream, subject=subject, direct=False)
+        except nats.js.errors.NotFoundError:
+            return self
+        self._record(current.headers, current.data, int(current.seq or 0))
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self._watcher.stop()
-        if self._task is not None:
-            await self._task
+        await self._sub.unsubscribe()
 
-    async def _pump(self) -> None:
-        async for entry in self._watcher:
-            if entry is None:  # end of the initial values
-                continue
-            op = entry.operation or "PUT"
-            revision = int(entry.revision or 0)
-            leader = None
-            if op == "PUT" and entry.value:
-                leader = decode_record(entry.value, revision).id
-            self.entries.append(KeyRevision(op, revision, leader, time.monotonic()))
-            self._seen.set()
+    async def _on_copy(self, msg: Msg) -> None:
+        self._record(msg.headers, msg.data, int((msg.headers or {})["Nats-Sequence"]))
+
+    def _record(self, headers: dict[str, str] | None, data: bytes | None, revision: int) -> None:
+        if any(e.revision == revision for e in self.entries):
+            return  # the value read at the start, republished too
+        op = kv_operation(headers).value
+        leader = decode_record(data, revision).id if op == "PUT" and data else None
+        self.entries.append(KeyRevision(op, revision, leader, time.monotonic()))
+        self.entries.sort(key=lambda e: e.revision)
+        self._seen.set()
 
     async def until_revision(self, revision: int, timeout: float = 10.0) -> list[KeyRevision]:
-        """Wait until the watch delivered ``revision``; return the entries up to it."""
+        """Wait until ``revision`` was recorded; return the entries up to it."""
 
         async def wait() -> None:
             while not any(e.revision >= revision for e in self.entries):

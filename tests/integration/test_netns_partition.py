@@ -41,24 +41,6 @@ CALLBACK_LATENCY = 0.2
 
 
 @pytest.fixture
-def host() -> Iterator[NetnsHost]:
-    """A namespace joined to the root namespace by a veth pair."""
-    with NetnsHost() as made:
-        yield made
-
-
-@pytest.fixture
-def root_server(host: NetnsHost) -> Iterator[NatsServer]:
-    """A JetStream nats-server on the root side of ``host``'s veth pair.
-
-    Candidates of both namespaces connect to this address (in the root
-    namespace it is a local address, like loopback).
-    """
-    with NatsServer(host=host.root_address) as server:
-        yield server
-
-
-@pytest.fixture
 def hosts_group(root_server: NatsServer) -> Iterator[CandidateGroup]:
     """Candidate processes for ``ROLE`` on ``root_server``."""
     with candidate_group(root_server.url) as made:

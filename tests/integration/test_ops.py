@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
+import nats
 import pytest
 
 from celery_nats_leader.config.connection import ConnectOptions
@@ -24,6 +25,7 @@ from celery_nats_leader.core.errors import (
 )
 from celery_nats_leader.election.moves import BucketMarks
 from celery_nats_leader.nats import open_backend
+from celery_nats_leader.nats.jetstream import JetStreamBackend
 from celery_nats_leader.nats.memory import MemoryBackend, MemoryServer
 from celery_nats_leader.ops.bucket import (
     ELECTION,
@@ -35,6 +37,7 @@ from celery_nats_leader.ops.bucket import (
     migrate_bucket,
 )
 from celery_nats_leader.testing import NatsServer
+from celery_nats_leader.testing.fault_proxy import ThreadedFaultProxy
 from tests.integration.helpers import poll
 
 
@@ -265,3 +268,27 @@ async def test_describe_bucket_changes_nothing_else_in_the_stream_config() -> No
             assert await stream_config() == before
             with pytest.raises(BucketNotFoundError, match="ops_missing"):
                 await be.describe_bucket("ops_missing", "x", timeout=5)
+
+
+async def test_bucket_operations_wait_as_long_as_they_are_allowed(
+    nats_server: NatsServer, proxy: ThreadedFaultProxy
+) -> None:
+    """A ``--timeout`` above the connection's JetStream timeout (5 s) is honoured.
+
+    A replicated bucket's create is answered once its servers have elected
+    the stream's leader, which a loaded cluster can take longer than 5 s for:
+    ``bucket --create --timeout 30`` must then wait 30 s, not 5. Here every
+    answer takes longer than the connection's JetStream timeout.
+    """
+    name = f"slow_{uuid.uuid4().hex[:8]}"
+    nc = await nats.connect(proxy.url)
+    backend = JetStreamBackend(nc, js_timeout=0.2)
+    try:
+        proxy.delay(0.15)  # each way: 0.3 s a request
+        created = await ensure_bucket(backend, name, ttl=3.0, replicas=1, timeout=5)
+        assert (created.name, created.created) == (name, True)
+        assert (await bucket_info(backend, name, timeout=5)).ttl == 3.0
+        assert await delete_bucket(backend, name, timeout=5) is True
+    finally:
+        proxy.delay(0)
+        await nc.close()

@@ -1,4 +1,6 @@
-"""Listing a bucket when nats-py's "nothing to deliver" marker comes too early.
+"""Listing a bucket when the listing is not the whole truth.
+
+First, nats-py's "nothing to deliver" marker coming too early:
 
 nats-py's KV watcher queues its end-of-initial-values marker at setup when the
 consumer reports nothing pending and no message was parsed yet. On a loaded
@@ -7,6 +9,9 @@ marker comes first, and a bucket holding a leader looked empty (the admin
 page showed "-- none --" while a candidate led; beat lost its schedule state
 the same way). Measured on the 2-core VM with a CPU hog: 1 listing in about
 2,000 came back empty. These tests put the marker first on purpose.
+
+Then a listing served by a replica that lags: the status read lists nothing,
+it takes the keys and each record from the stream's leader.
 """
 
 from __future__ import annotations
@@ -99,3 +104,64 @@ async def test_status_names_the_leader_under_the_race(
     )
     (status,) = report.roles
     assert (status.role, status.leader_id, status.epoch) == ("default", "cand-a", revision)
+
+
+async def test_status_reads_each_role_from_the_log_not_from_a_lagging_listing(
+    backend: JetStreamBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listing served by a member still catching up (missing or older keys).
+
+    A replicated bucket's listing runs on an ephemeral consumer that the server
+    may place on any member, one just restarted too: seen after a NATS rolling
+    update (status said "no leader" for a role whose leader kept its term).
+    """
+    kv = await open_bucket(backend)
+    first = await kv.create(
+        "beat",
+        encode_record(instance_id="a", token="t", epoch=None, priority=0, meta={}),
+        timeout=2,
+    )
+    lagging = await kv.entries(timeout=2)  # the member stopped here
+    renewed = await kv.update(
+        "beat",
+        encode_record(instance_id="a", token="t", epoch=first, priority=0, meta={}),
+        last=first,
+        timeout=2,
+    )
+    held = await kv.create(
+        "reports",
+        encode_record(instance_id="b", token="u", epoch=None, priority=0, meta={}),
+        timeout=2,
+    )
+
+    async def lagging_listing(self: JetStreamBucket, *, timeout: float) -> list[Any]:
+        return list(lagging)
+
+    monkeypatch.setattr(JetStreamBucket, "entries", lagging_listing)
+    report = await read_report(
+        backend, BUCKET, configured_roles=["beat", "reports"], timeout=2, roster_window=0
+    )
+    shown = {(s.role, s.leader_id, s.revision) for s in report.roles}
+    assert shown == {("beat", "a", renewed), ("reports", "b", held)}
+    assert report.leaderless == []
+
+
+async def test_status_lists_every_held_role_and_no_released_one(backend: JetStreamBackend) -> None:
+    kv = await open_bucket(backend)
+    for role in ("held", "released"):
+        await kv.create(
+            role,
+            encode_record(instance_id=role, token="t", epoch=None, priority=0, meta={}),
+            timeout=2,
+        )
+    released = await kv.get("released", timeout=2)
+    assert released is not None
+    await kv.delete("released", last=released.revision, timeout=2)
+
+    report = await read_report(backend, BUCKET, configured_roles=["beat"], roster_window=0)
+    shown = {(s.role, s.leader_id) for s in report.roles}
+    assert shown == {("beat", None), ("held", "held")}
+    assert report.leaderless == ["beat"]
+
+    only = await read_report(backend, BUCKET, only=["released"], roster_window=0)
+    assert [(s.role, s.leader_id) for s in only.roles] == [("released", None)]

@@ -132,6 +132,41 @@ async def test_the_new_bucket_leads_at_once_when_the_old_one_holds_no_term(
     assert new.election.is_leader
 
 
+async def test_replicas_that_waited_for_the_old_term_serve_as_successors_after_it(
+    make: Callable[..., Candidate], server: MemoryServer
+) -> None:
+    """With fast failover, a replica that waited for the old bucket's term may be named later.
+
+    Every replica on the new bucket waits while the old term lasts (and
+    refuses promise requests meanwhile); the one that leads afterwards names
+    another as its successor. One that went on refusing would leave the role
+    to fail over by the TTL alone, after a roll that has usually made it longer.
+    """
+    old_leader = make("old-a", bucket=OLD, ttl=2.0)
+    await old_leader.election.start()
+    await move(server, ttl=2.0)
+    replicas = [make(f"new-{n}", bucket=NEW, ttl=2.0, fast_failover=True) for n in "ab"]
+    for replica in replicas:
+        await replica.election.start()  # returns once it follows: it waits
+    assert not any(r.election.is_leader for r in replicas)
+
+    await old_leader.election.stop()
+    first = await asyncio.wait_for(
+        asyncio.wait(
+            [asyncio.ensure_future(r.promoted.wait()) for r in replicas],
+            return_when=asyncio.FIRST_COMPLETED,
+        ),
+        2.0,
+    )
+    assert first
+    leader, other = replicas if replicas[0].election.is_leader else replicas[::-1]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 3.0
+    while leader.election.describe()["successor"] != other.election.instance_id:
+        assert loop.time() < deadline, leader.election.describe()
+        await asyncio.sleep(0.01)
+
+
 class _Heard(logging.Handler):
     """Sets an event when the election logs a message containing ``text``."""
 

@@ -94,6 +94,26 @@ def test_metrics_namespace_from_celery_and_django_settings() -> None:
             LeaderSettings(metrics_namespace=bad)
 
 
+def test_fast_failover_from_celery_django_and_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("NATS_LEADER_FAST_FAILOVER", raising=False)
+    assert LeaderSettings().election_config("beat").fast_failover is False
+    celery = LeaderSettings.from_celery({"nats_leader_fast_failover": True})
+    django = LeaderSettings.from_mapping({"FAST_FAILOVER": True})
+    monkeypatch.setenv("NATS_LEADER_FAST_FAILOVER", "true")
+    environment = LeaderSettings.from_mapping({})
+    for settings in (celery, django, environment):
+        assert settings.election_config("beat").fast_failover is True
+        assert settings.election_config("default").fast_failover is True
+    # ALLCALL has no use for it: refused, under the name the user wrote.
+    monkeypatch.delenv("NATS_LEADER_FAST_FAILOVER")
+    with pytest.raises(ConfigError, match=r"nats_leader_fast_failover is for the KV strategy"):
+        LeaderSettings.from_celery(
+            {"nats_leader_fast_failover": True, "nats_leader_strategy": "allcall"}
+        )
+
+
 def test_beat_metrics_port_is_a_port_of_its_own() -> None:
     settings = LeaderSettings.from_celery(
         {"nats_leader_metrics_port": 9808, "nats_leader_beat_metrics_port": 9809}
