@@ -451,8 +451,15 @@ class CandidateGroup:
             if remaining <= 0:
                 recent = "\n  ".join(repr(e) for e in self.log[-25:])
                 who = "any candidate" if names is None else sorted(names)
+                # The last events of those waited for, which a busy leader's
+                # renewals may have pushed out of the recent ones (an error
+                # that ended a start, an exit).
+                theirs = "\n  ".join(repr(e) for e in self.log if names is None or e.name in names)[
+                    -3000:
+                ]
                 raise TimeoutError(
-                    f"no {kind!r} event from {who} within {timeout:g}s; recent events:\n  {recent}"
+                    f"no {kind!r} event from {who} within {timeout:g}s; recent events:\n  "
+                    f"{recent}\nevents of {who}:\n  {theirs or '(none)'}"
                 )
             try:
                 self._take(self._queue.get(timeout=remaining))
