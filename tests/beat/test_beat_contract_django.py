@@ -70,20 +70,32 @@ def test_database_rows_behave_as_with_database_scheduler(
         ("clocked-just-before", 1),
         ("cron", 1),
     ):
-        old_anchoring = {"cron": (0, 1), "start-later": (1, 2)}
-        if name in old_anchoring and not result["anchors_at_date_changed"]:
+        # Each side's sends of the row (name, seconds into the run, slot): the
+        # whole result is too long for pytest to show.
+        sends = {side: [s for s in result[side]["sent"] if s[0] == name] for side in SIDES}
+        # django-celery-beat's reserve() leaves the entry it sent in its
+        # schedule with its last_run_at from before the send (only the row is
+        # updated); a heap rebuilt from that schedule before the rows are read
+        # again finds the row due again, and the oracle sends it twice (the
+        # cron row at +5.49 s and +5.52 s on 2.5.0, 1 run in 6 with another
+        # test beside it; the same code is in 2.9). The probable mechanism;
+        # the leader scheduler commits each slot in KV before its send.
+        allowed = {"cron": (1, 2), "start-later": (1, 2)}
+        if not result["anchors_at_date_changed"]:
             # Before django-celery-beat 2.8 a row that never ran is anchored
             # afresh each time the schedule is read again (a one-off row
             # disabled, the rows changed at +5 s and +6 s): at "now", so the
             # cron row's first slot (the minute 4-6 s into the run) is lost
             # when a re-read comes between the slot and its send; 30 years
-            # back for a row with a start time, which was seen sent a second
-            # time (its interval is 30 s) right after such a re-read. The
-            # leader scheduler anchors a row once, in KV, and sends each slot
-            # once (deliberate differences, docs/support.md).
-            assert oracle[name] in old_anchoring[name] and ours[name] == 1, (name, result)
+            # back for a row with a start time, sent again when such a
+            # re-read comes right after its send. The leader scheduler
+            # anchors a row once, in KV, and sends each slot once (deliberate
+            # differences, docs/support.md).
+            allowed["cron"] = (0, 1, 2)
+        if name in allowed:
+            assert oracle[name] in allowed[name] and ours[name] == 1, (name, sends)
             continue
-        assert (oracle[name], ours[name]) == (expected, expected), (name, result)
+        assert (oracle[name], ours[name]) == (expected, expected), (name, sends, result)
     # Rows that keep running (every second): the same messages, up to the one in flight
     # at the end and the ticks Celery's interval drifted by: Celery counts the next run
     # from the (late) send, the leader scheduler from the tick's slot (docs/beat.md).
