@@ -2,7 +2,7 @@
 
 ``BeatCluster`` starts ``celery -A cnl_beat_app beat`` replicas (or ``worker
 -B``) and a worker that records every executed tick in the ledger, and a
-``KVRecorder`` that watches, from the test process, every write to the beat
+``KVRecorder`` that records, from the test process, every write to the beat
 role's key and to the schedule state bucket, so that the assertions
 (:mod:`cnl_beat_checks`) can tell who wrote what under which term.
 
@@ -19,6 +19,7 @@ in a schema of their own, or SQLite when PostgreSQL is unreachable outside CI.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import os
@@ -34,18 +35,22 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.js.errors
 from cnl_beat_ledger import BeatLedger, Run
 from nats.js.api import KeyValueConfig
 
 from celery_nats_leader.beat.schedule_store import EntryState, decode_state, state_key
 from celery_nats_leader.beat.ticks import slot_text
+from celery_nats_leader.core.backend import Operation
 from celery_nats_leader.core.errors import RecordFormatError
 from celery_nats_leader.core.loop_thread import EventLoopThread
+from celery_nats_leader.nats.jetstream import kv_operation
 from celery_nats_leader.ops.seed import SEED_WRITER
 from celery_nats_leader.term.record import LeaderRecord, decode_record
 from celery_nats_leader.testing import NatsServer
 from tests.support import REPO
 from tests.support.brokers import Broker
+from tests.support.key_history import copies_of, key_of, republish
 from tests.support.procs import Proc
 from tests.support.services import wait_for
 
@@ -104,16 +109,28 @@ class Observed:
 
 
 class KVRecorder:
-    """Watches the beat role's key and the state bucket from the test process."""
+    """Records every write to the beat role's key and to the schedule state bucket.
+
+    Every write: a KV watch would not do. The buckets keep one value a key
+    (history 1), so a revision replaced before a watch's consumer sent it is
+    gone from the stream and never delivered (a release and the successor's
+    claim milliseconds apart, on a loaded machine). The buckets made by
+    :func:`create_buckets` republish each stored message with its sequence to
+    a core subject, which this reads; what the buckets hold when it starts
+    is read first.
+    """
+
+    #: What is recorded: the beat role's key, every key of the state bucket.
+    WATCHED = ((LEADERS_BUCKET, BEAT_ROLE), (STATE_BUCKET, ">"))
 
     def __init__(self, url: str) -> None:
         self.url = url
+        #: Every write seen, in revision order within each bucket.
         self.seen: list[Observed] = []
+        self._revisions: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
         self._loop = EventLoopThread(name="kv-recorder")
         self._nc: Any = None
-        self._watchers: list[Any] = []
-        self._tasks: list[Any] = []
 
     def start(self) -> None:
         self._loop.start()
@@ -121,65 +138,71 @@ class KVRecorder:
 
     async def _start(self) -> None:
         self._nc = await nats.connect(self.url)
+        for bucket, key in self.WATCHED:
+
+            async def copied(msg: Any, bucket: str = bucket) -> None:
+                headers = msg.headers or {}
+                revision = int(headers["Nats-Sequence"])
+                self._record(bucket, key_of(bucket, msg.subject), headers, msg.data, revision)
+
+            await self._nc.subscribe(copies_of(bucket, key), cb=copied)
+        await self._nc.flush()
         js = self._nc.jetstream()
-        for bucket, key in ((LEADERS_BUCKET, BEAT_ROLE), (STATE_BUCKET, ">")):
-            kv = await js.key_value(bucket)
-            watcher = await kv.watch(key, include_history=True)
-            self._watchers.append(watcher)
-            self._tasks.append(asyncio.get_running_loop().create_task(self._pump(bucket, watcher)))
+        for bucket, key in self.WATCHED:
+            stream = f"KV_{bucket}"
+            info = await js.stream_info(stream, subjects_filter=f"$KV.{bucket}.{key}")
+            assert info.config.republish is not None, f"{bucket}: not made by create_buckets"
+            for subject in info.state.subjects or {}:
+                try:
+                    msg = await js.get_msg(stream, subject=subject, direct=False)
+                except nats.js.errors.NotFoundError:
+                    continue  # expired (max_age) since the listing
+                name = key_of(bucket, subject)
+                self._record(bucket, name, msg.headers, msg.data, int(msg.seq or 0))
 
     def rewatch(self) -> None:
-        """Watch again from each bucket's history: after a server restart.
+        """Read the buckets again on a new connection: after a server restart.
 
-        nats-py's watch does not notice a restarted server whose consumers
-        are gone; the new watch replays what the buckets keep, and writes
-        already seen are not recorded twice.
+        The old connection may still be reconnecting; what was written while
+        the recorder had no subscription is read from the buckets (their
+        latest value a key), and writes already seen are not recorded twice.
         """
 
         async def rewatch() -> None:
-            for watcher in self._watchers:
-                with contextlib.suppress(Exception):
-                    await watcher.stop()
-            for task in self._tasks:
-                task.cancel()
-            self._watchers, self._tasks = [], []
-            # The old connection may be half-way through its own reconnect.
             with contextlib.suppress(Exception):
                 await self._nc.close()
             await self._start()
 
         self._loop.run(rewatch(), 30)
 
-    async def _pump(self, bucket: str, watcher: Any) -> None:
-        async for update in watcher:
-            if update is None:
-                continue
-            with self._lock:
-                if any(
-                    s.bucket == bucket and s.revision == update.revision for s in self.seen[-500:]
-                ):
-                    continue  # replayed by rewatch()
-            observed = Observed(
-                bucket,
-                update.key,
-                int(update.revision or 0),
-                update.operation is not None,
-                bytes(update.value or b""),
-                time.monotonic(),
-            )
-            with self._lock:
-                self.seen.append(observed)
+    def _record(
+        self,
+        bucket: str,
+        key: str,
+        headers: dict[str, str] | None,
+        data: bytes | None,
+        revision: int,
+    ) -> None:
+        observed = Observed(
+            bucket,
+            key,
+            revision,
+            kv_operation(headers) is not Operation.PUT,
+            bytes(data or b""),
+            time.monotonic(),
+        )
+        with self._lock:
+            if (bucket, revision) in self._revisions:
+                return  # the value read at a start, republished too
+            self._revisions.add((bucket, revision))
+            # In revision order: a start's read may come after a later write's copy.
+            bisect.insort(self.seen, observed, key=lambda s: (s.bucket, s.revision))
 
     def stop(self) -> None:
         if not self._loop.is_running:
             return
 
         async def stop() -> None:
-            for watcher in self._watchers:
-                with contextlib.suppress(Exception):
-                    await watcher.stop()
-            for task in self._tasks:
-                task.cancel()
             if self._nc is not None:
                 await self._nc.close()
 
@@ -230,8 +253,15 @@ async def create_buckets(url: str, ttl: float) -> None:
     nc = await nats.connect(url)
     try:
         js = nc.jetstream()
-        await js.create_key_value(KeyValueConfig(bucket=LEADERS_BUCKET, history=1, ttl=ttl))
-        await js.create_key_value(KeyValueConfig(bucket=STATE_BUCKET, history=1))
+        # Both republish every write for the recorder (tests.support.key_history).
+        await js.create_key_value(
+            KeyValueConfig(
+                bucket=LEADERS_BUCKET, history=1, ttl=ttl, republish=republish(LEADERS_BUCKET)
+            )
+        )
+        await js.create_key_value(
+            KeyValueConfig(bucket=STATE_BUCKET, history=1, republish=republish(STATE_BUCKET))
+        )
     finally:
         await nc.close()
 

@@ -34,7 +34,7 @@ FAILOVER_TTL = 3.0
 
 def term_began(cluster: BeatCluster, epoch: int) -> float:
     """When the recorder saw the beat role's record of ``epoch`` (monotonic clock)."""
-    for seen in cluster.recorder.seen:
+    for seen in list(cluster.recorder.seen):
         if (
             seen.bucket == LEADERS_BUCKET
             and not seen.deleted

@@ -27,7 +27,7 @@ import nats
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import KeyValueConfig, RePublish
+from nats.js.api import KeyValueConfig
 
 from celery_nats_leader import DemoteReason, ElectionConfig, ElectionError, FencingToken, KvElection
 from celery_nats_leader.config.connection import ConnectOptions
@@ -36,6 +36,7 @@ from celery_nats_leader.nats.jetstream import REPLICATED_CREATE_SECONDS, kv_oper
 from celery_nats_leader.term.record import LeaderRecord, decode_record
 from celery_nats_leader.testing import NatsServer
 from tests.harness.candidate_control import CandidateEvent, CandidateGroup
+from tests.support.key_history import copies_of, republish
 
 T = TypeVar("T")
 
@@ -80,7 +81,7 @@ async def create_bucket(
                 history=1,
                 ttl=ttl,
                 replicas=replicas,
-                republish=RePublish(src=f"$KV.{bucket}.>", dest=f"{_HISTORY}.{bucket}.>"),
+                republish=republish(bucket),
             )
         )
     finally:
@@ -147,10 +148,6 @@ async def poll(condition: Callable[[], Awaitable[bool]], *, timeout: float, what
         await asyncio.sleep(0.02)
 
 
-#: The core subjects a test bucket republishes its messages to (see create_bucket).
-_HISTORY = "_key_history"
-
-
 @dataclass(frozen=True)
 class KeyRevision:
     """One revision of the role's key as an operator saw it stored."""
@@ -189,9 +186,7 @@ class KeyHistory:
         stream = f"KV_{self._bucket}"
         republish = (await js.stream_info(stream)).config.republish
         assert republish is not None, f"{self._bucket}: not made by create_bucket"
-        self._sub = await self._nc.subscribe(
-            f"{_HISTORY}.{self._bucket}.{self._key}", cb=self._on_copy
-        )
+        self._sub = await self._nc.subscribe(copies_of(self._bucket, self._key), cb=self._on_copy)
         await self._nc.flush()
         subject = f"$KV.{self._bucket}.{self._key}"
         try:

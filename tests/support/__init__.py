@@ -12,6 +12,9 @@
   ``Broker.cleanup()``.
 * :mod:`.procs`: :class:`~.procs.Proc`, a subprocess (worker, beat) in its own
   process group, logging to a file, with graceful stop and group kill.
+* :mod:`.key_history`: the republish setting that copies every write of a
+  test bucket to a core subject, for the recorders that must see every
+  revision (``KeyHistory``, the beat tests' ``KVRecorder``).
 
 Moving a suite onto it (done for ``tests/celery``; ``tests/beat`` the same way):
 
