@@ -61,19 +61,23 @@ async def test_herd_of_100_one_winner_per_release_and_epochs_grow(
         local.add(name, connection=connections[i % CONNECTIONS], release_on_stop=False)
 
     async def start(name: str) -> float:
-        began = time.monotonic()
         await local[name].start()
-        return time.monotonic() - began
+        return time.monotonic()
 
-    startup = await asyncio.gather(*(start(name) for name in names))
+    began = time.monotonic()
+    returned = await asyncio.gather(*(start(name) for name in names))
     first = await local.wait_for("promoted", timeout=TTL + SLACK)
     assert local.leaders() == [first.name]
     assert {local[name].leader_id for name in names} == {first.name}
-    # start() returns once the candidate knows who leads: not after a TTL.
-    # (About 0.2 s for the hundred here on an idle machine; 1.15 s was seen
-    # with one core busy and another test run beside: the bound is the TTL
-    # that a start waiting for the key to expire would take.)
-    assert max(startup) < TTL, sorted(startup)[-5:]
+    # start() returns once the candidate knows who leads, not after a TTL: a
+    # start waiting for the key to expire would return a TTL after it began,
+    # and the leader's promotion comes a campaign after the hundred joined.
+    # Measured from that promotion, not from the start: the herd's first
+    # decision took about 0.5 s here with one core busy, 0.8 s with a test
+    # beside it; in a CI run with a CPU hog and the other lane, the hundred
+    # starts returned 2.5 s after they began (their TTL-long wait for it).
+    late = [round(at - first.at, 3) for at in sorted(returned)[-5:]]
+    assert max(returned) - first.at < TTL / 2, (late, round(first.at - began, 3))
     writes = WriteCounter()
     await writes.attach(nc)
 
